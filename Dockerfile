@@ -1,0 +1,38 @@
+# GPU hosts: the same model repository and pins on the NGC Triton container
+# of the same release as the native server (versions.env: TRITON_IMAGE, 2.51.0).
+#   make docker-build && make docker-run
+# TRITON_IMAGE has no default here on purpose: the Makefile passes the one
+# from versions.env, so the tag lives in one place.
+ARG TRITON_IMAGE
+FROM ${TRITON_IMAGE}
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /opt/classify_describe
+
+# Same pins as the native build; pip expands ${VAR} from the sourced versions.env.
+# On x86_64 PyPI's torch wheel is the CUDA build, which is what a GPU host wants.
+COPY versions.env requirements.txt ./
+RUN set -a && . ./versions.env && set +a \
+ && pip install --no-cache-dir -r requirements.txt \
+ && pip download --no-cache-dir --no-deps --dest /tmp/downloads "timm==${TIMM_LABELS_VERSION}"
+
+# Our Python-based backends sit next to Triton's own python backend, where
+# `backend: "<name>"` finds them.
+COPY backends/ /opt/tritonserver/backends/
+COPY model_repository/ /models/
+COPY scripts/export_classifier.py scripts/
+
+# The TorchScript file and labels are built from the pinned pretrained weights.
+RUN set -a && . ./versions.env && set +a \
+ && python3 scripts/export_classifier.py \
+      --timm-wheel "/tmp/downloads/timm-${TIMM_LABELS_VERSION}-py3-none-any.whl" \
+      --model-dir /models/classifier \
+ && rm -rf /tmp/downloads
+
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
+  CMD ["curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"]
+
+# LLM_BASE_URL, LLM_MODEL, LLM_API_KEY / LLM_API_KEY_FILE come from the
+# environment at run time (docs/llm-endpoints.md); nothing secret is baked in.
+CMD ["tritonserver", "--model-repository=/models", "--cache-config=local,size=268435456", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30"]

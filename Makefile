@@ -1,0 +1,105 @@
+# Triton model package: image classification + LLM description.
+#   make build   venv, Triton server, backend directory, model artifacts
+#   make run     serve model_repository/ natively (HTTP 8000, gRPC 8001, metrics 8002)
+#   make test    build, then unit + integration tests against a real server
+# Every version comes from versions.env.
+
+include versions.env
+export
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_BIN ?= python3
+VENV       := .venv
+PY         := $(VENV)/bin/python
+BUILD      := build
+TRITON_DIR := $(BUILD)/triton
+TRITON_HOME := $(TRITON_DIR)/pytriton/tritonserver
+BACKEND_DIR := $(BUILD)/backends
+DOWNLOADS  := $(BUILD)/downloads
+TIMM_WHEEL := $(DOWNLOADS)/timm-$(TIMM_LABELS_VERSION)-py3-none-any.whl
+CLASSIFIER := model_repository/classifier
+CLASSIFIER_FILE := $(CLASSIFIER)/1/model.pt
+LABELS_FILE := $(CLASSIFIER)/labels.txt
+OUR_BACKENDS := $(notdir $(wildcard backends/*))
+PERF_DIR   := $(BUILD)/perf_analyzer
+
+HTTP_PORT    ?= 8000
+GRPC_PORT    ?= 8001
+METRICS_PORT ?= 8002
+IMAGE_NAME   ?= triton-classify-describe:latest
+
+# Stamps make `make build` quick when nothing changed.
+VENV_STAMP    := $(VENV)/.installed
+TRITON_STAMP  := $(TRITON_DIR)/.installed
+BACKEND_STAMP := $(BACKEND_DIR)/.linked
+
+.PHONY: help build run test unit integration lint docker-build docker-run clean perf-analyzer
+
+help:
+	@echo "make build          venv + Triton $(TRITON_VERSION) + backends + model artifacts"
+	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
+	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
+	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
+	@echo "make docker-run     run that image with --gpus all"
+
+build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE)
+
+$(VENV_STAMP): requirements.txt requirements-dev.txt versions.env scripts/check_python.sh
+	scripts/check_python.sh $(PYTHON_BIN)
+	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# The server binary, its Python backend and stubs come from the nvidia-pytriton
+# wheel; --no-deps because we never import pytriton (its numpy<2 pin and client
+# pins are not ours).
+$(TRITON_STAMP): versions.env | $(VENV_STAMP)
+	rm -rf $(TRITON_DIR)
+	$(PY) -m pip install --quiet --no-deps --target $(TRITON_DIR) nvidia-pytriton==$(PYTRITON_VERSION)
+	touch $@
+
+$(BACKEND_STAMP): $(TRITON_STAMP) scripts/make_backend_dir.sh $(wildcard backends/*/model.py)
+	scripts/make_backend_dir.sh $(TRITON_HOME) $(BACKEND_DIR) $(PY) $(OUR_BACKENDS)
+	touch $@
+
+$(TIMM_WHEEL): | $(VENV_STAMP)
+	$(PY) -m pip download --quiet --no-deps --dest $(DOWNLOADS) timm==$(TIMM_LABELS_VERSION)
+
+$(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) | $(VENV_STAMP)
+	$(PY) scripts/export_classifier.py --timm-wheel $(TIMM_WHEEL) --model-dir $(CLASSIFIER)
+
+run: build
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) scripts/serve.sh
+
+test: build
+	scripts/run_tests.sh
+
+unit: build
+	$(PY) -m pytest -q tests/unit
+
+integration: build
+	$(PY) -m pytest -q tests/integration
+
+lint: $(VENV_STAMP)
+	$(VENV)/bin/hadolint Dockerfile
+
+# perf_analyzer ships only in the tritonclient==2.41.1 manylinux wheel; it
+# lives apart from the runtime venv (its tritonclient is older than ours).
+perf-analyzer: $(PERF_DIR)/.installed
+$(PERF_DIR)/.installed: versions.env scripts/install_perf_analyzer.sh | $(TRITON_STAMP)
+	scripts/install_perf_analyzer.sh $(PY) $(PERF_DIR) $(TRITON_DIR)/nvidia_pytriton.libs
+	touch $@
+
+docker-build:
+	docker build --build-arg TRITON_IMAGE=$(TRITON_IMAGE) -t $(IMAGE_NAME) .
+
+docker-run:
+	docker run --rm --gpus all --shm-size=1g \
+	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 \
+	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY $(IMAGE_NAME)
+
+clean:
+	rm -rf $(BUILD) $(CLASSIFIER_FILE)

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command runs this (via `make test`): unit tests first
+# (no server), then the integration tests, which start one real tritonserver
+# and the fake LLM upstream themselves, on free ports, and stop them after.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+.venv/bin/hadolint Dockerfile
+.venv/bin/python -m pytest tests "$@"

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Start tritonserver natively on model_repository/, wait until it is ready,
+# print where it listens, stream its log, and stop it cleanly on Ctrl-C/TERM.
+#
+# Environment (all optional):
+#   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002
+#   MODEL_REPOSITORY=model_repository   CACHE_SIZE=268435456 (response cache, bytes)
+#   READY_TIMEOUT=300 (seconds)          TRITON_EXTRA_ARGS="--log-verbose=1 ..."
+#   LLM_BASE_URL, LLM_MODEL, LLM_API_KEY, LLM_API_KEY_FILE: see docs/llm-endpoints.md
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HTTP_PORT="${HTTP_PORT:-8000}"
+GRPC_PORT="${GRPC_PORT:-8001}"
+METRICS_PORT="${METRICS_PORT:-8002}"
+MODEL_REPOSITORY="${MODEL_REPOSITORY:-model_repository}"
+CACHE_SIZE="${CACHE_SIZE:-268435456}"
+READY_TIMEOUT="${READY_TIMEOUT:-300}"
+
+venv_python=.venv/bin/python
+triton_home=build/triton/pytriton/tritonserver
+backend_dir=build/backends
+
+for needed in "$venv_python" "$triton_home/bin/tritonserver" "$backend_dir/python" \
+              model_repository/classifier/1/model.pt; do
+  [[ -e "$needed" ]] || { echo "serve: $needed is missing; run \`make build\` first" >&2; exit 1; }
+done
+
+for port in "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT"; do
+  if ! "$venv_python" -c 'import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))' "$port" 2>/dev/null; then
+    echo "serve: port $port is already in use; pick free ones, e.g." \
+         "HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002 make run" >&2
+    exit 1
+  fi
+done
+
+# The stub embeds libpython and finds sys.prefix through the python3 on PATH:
+# the venv's bin/ goes first, and the venv Python's own libpython directory
+# goes first on LD_LIBRARY_PATH (else the system libpython is picked and
+# `import openai` fails inside the model). See ../shared/NOTES.md.
+python_libdir="$("$venv_python" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')"
+export PATH="$PWD/.venv/bin:$PATH"
+export LD_LIBRARY_PATH="$python_libdir:$PWD/build/triton/nvidia_pytriton.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+# shellcheck disable=SC2206  # word splitting of extra args is intended
+args=(
+  --model-repository="$PWD/$MODEL_REPOSITORY"
+  --backend-directory="$PWD/$backend_dir"
+  --cache-directory="$PWD/$triton_home/caches"
+  --cache-config="local,size=$CACHE_SIZE"
+  --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT"
+  --model-control-mode=explicit --load-model='*'
+  --exit-timeout-secs=30
+  ${TRITON_EXTRA_ARGS:-}
+)
+
+"$triton_home/bin/tritonserver" "${args[@]}" &
+server_pid=$!
+
+stop() {
+  trap - INT TERM
+  echo "serve: stopping tritonserver (pid $server_pid)" >&2
+  kill -TERM "$server_pid" 2>/dev/null || true
+  wait "$server_pid" 2>/dev/null || true
+  exit 0
+}
+trap stop INT TERM
+
+"$venv_python" - "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT" "$READY_TIMEOUT" "$server_pid" <<'PY' &
+import os, sys, time, urllib.request
+http, grpc, metrics, timeout, pid = sys.argv[1:]
+deadline = time.monotonic() + float(timeout)
+while time.monotonic() < deadline:
+    try:
+        os.kill(int(pid), 0)
+    except OSError:
+        sys.exit(0)  # the server exited; its own log says why
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
+            if r.status == 200:
+                print(f"\nserve: READY  HTTP 127.0.0.1:{http}  gRPC 127.0.0.1:{grpc}  "
+                      f"metrics http://127.0.0.1:{metrics}/metrics  (Ctrl-C stops)\n",
+                      file=sys.stderr, flush=True)
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(0.5)
+print(f"serve: not ready after {timeout}s; see the log above", file=sys.stderr)
+PY
+
+set +e
+wait "$server_pid"
+status=$?
+echo "serve: tritonserver exited with status $status" >&2
+exit "$status"
