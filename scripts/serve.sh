@@ -22,7 +22,7 @@ triton_home=build/triton/pytriton/tritonserver
 backend_dir=build/backends
 
 for needed in "$venv_python" "$triton_home/bin/tritonserver" "$backend_dir/python" \
-              model_repository/classifier/1/model.pt; do
+              "$MODEL_REPOSITORY/classifier/1/model.pt"; do
   [[ -e "$needed" ]] || { echo "serve: $needed is missing; run \`make build\` first" >&2; exit 1; }
 done
 
@@ -46,7 +46,7 @@ export LD_LIBRARY_PATH="$python_libdir:$PWD/build/triton/nvidia_pytriton.libs${L
 
 # shellcheck disable=SC2206  # word splitting of extra args is intended
 args=(
-  --model-repository="$PWD/$MODEL_REPOSITORY"
+  --model-repository="$(realpath "$MODEL_REPOSITORY")"
   --backend-directory="$PWD/$backend_dir"
   --cache-directory="$PWD/$triton_home/caches"
   --cache-config="local,size=$CACHE_SIZE"

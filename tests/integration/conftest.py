@@ -5,6 +5,7 @@ step points at the fake OpenAI-compatible upstream in tests/fake_openai."""
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +74,7 @@ class FakeLLM:
 
 @dataclass
 class TritonServer:
+    repository: pathlib.Path
     http_url: str
     grpc_url: str
     metrics_url: str
@@ -124,15 +126,21 @@ def fake_llm(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def triton(fake_llm, tmp_path_factory):
+    """The server, on a copy of the committed model_repository/ (built by
+    `make build`), so tests may add a model version without touching the tree."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    workdir = tmp_path_factory.mktemp("triton")
+    log_path = workdir / "tritonserver.log"
+    repository = workdir / "model_repository"
+    shutil.copytree(REPO / "model_repository", repository)
     env = dict(os.environ,
                HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
+               MODEL_REPOSITORY=str(repository),
                LLM_BASE_URL=fake_llm.base_url, LLM_API_KEY=TEST_API_KEY)
     with open(log_path, "w") as log:
         process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
                                    stdout=log, stderr=subprocess.STDOUT)
-    server = TritonServer(f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
+    server = TritonServer(repository, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                           f"127.0.0.1:{metrics_port}", log_path, process)
     try:
         deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
