@@ -1,0 +1,35 @@
+"""Token usage and money spent, as reported in the USAGE output."""
+
+import json
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Usage:
+    model: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cost_usd: float = 0.0
+    upstream_latency_ms: float = 0.0  # time spent waiting on upstream attempts (not back-off)
+    attempts: int = 0
+    cached: bool = False
+    fallback_reason: str = None
+
+    def to_json(self):
+        fields = asdict(self)
+        fields["cost_usd"] = round(self.cost_usd, 9)
+        fields["upstream_latency_ms"] = round(self.upstream_latency_ms, 1)
+        return json.dumps(fields, separators=(",", ":"))
+
+
+def cost_usd(prompt_tokens, completion_tokens, price_input_per_million, price_output_per_million):
+    return (prompt_tokens * price_input_per_million + completion_tokens * price_output_per_million) / 1e6
+
+
+def tokens_from(usage):
+    """(prompt, completion) tokens from an SDK usage object; an upstream that
+    omits usage (some local servers) costs nothing rather than failing."""
+    if usage is None:
+        return 0, 0
+    return int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)

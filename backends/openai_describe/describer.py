@@ -1,0 +1,272 @@
+"""The LLM call with everything around it: cache, circuit breaker, concurrency
+cap, per-attempt timeout, retries with back-off, cancellation, fallback and
+accounting. Runs on one asyncio loop; knows nothing about Triton.
+"""
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import httpx2
+import openai
+
+from accounting import Usage, cost_usd, tokens_from
+from llm_cache import LRUCache, cache_key
+from prompting import build_messages, fallback_description
+from resilience import CircuitBreaker, Failure, backoff_delay, classify_status
+
+NO_KEY_HELP = (
+    "no API key found in {where}: every description is the classification-only fallback "
+    "(DESCRIPTION_SOURCE=fallback, USAGE.fallback_reason=no_api_key). To use an LLM, set "
+    "{prefix}API_KEY (or {prefix}API_KEY_FILE, e.g. a Kubernetes secret mount) and "
+    "{prefix}BASE_URL / {prefix}MODEL for the endpoint; for a local vLLM or Ollama that "
+    "needs no key, set {prefix}API_KEY_REQUIRED=false. See docs/llm-endpoints.md."
+)
+
+
+class Cancelled(Exception):
+    """The client gave up on the request (Triton request cancellation)."""
+
+
+class MalformedResponse(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Job:
+    labels: tuple
+    scores: tuple
+    prompt: str
+    model: str
+    temperature: float
+    max_tokens: int
+    timeout_s: float
+
+
+@dataclass
+class Result:
+    description: str
+    source: str   # "llm" or "fallback"
+    usage: Usage
+    outcome: str  # ok, retried, cached, fallback, error (on_failure=error)
+
+
+class Observer:
+    """Hooks for metrics; the Triton adapter implements them with MetricFamily."""
+
+    def request_done(self, model, outcome, usage): pass
+    def attempt_done(self, model, latency_s, reason): pass
+    def in_flight(self, count): pass
+    def queued(self, count): pass
+    def circuit(self, model, state): pass
+    def cache(self, hit): pass
+
+
+class Describer:
+    def __init__(self, settings, client, scrub, observer=None, log=None,
+                 clock=time.monotonic, rand=random.random):
+        self.settings = settings
+        self.client = client  # AsyncOpenAI-like, or None when no key is configured
+        self.scrub = scrub
+        self.observer = observer or Observer()
+        self.log = log
+        self._clock = clock
+        self._rand = rand
+        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._in_flight = 0
+        self._queued = 0
+        self._breakers = {}
+        self._last_warned = {}
+        self.cache = LRUCache(settings.cache_max_entries, settings.cache_ttl_s, clock) \
+            if settings.cache_enabled else None
+
+    async def describe(self, job, is_cancelled=lambda: False):
+        messages = build_messages(self.settings, job.labels, job.scores, job.prompt)
+        key = None
+        if self.cache is not None:
+            key = cache_key(job.model, job.temperature, job.max_tokens, messages)
+            text = self.cache.get(key)
+            self.observer.cache(text is not None)
+            if text is not None:
+                # Nothing was spent on this request: the USAGE sums stay the real bill.
+                return self._done(job, Result(text, "llm", Usage(job.model, cached=True), "cached"))
+        if self.client is None:
+            return self._fallback(job, Usage(job.model), "no_api_key")
+
+        usage = Usage(job.model)
+        breaker = self._breaker(job.model)
+        deadline = self._clock() + self.settings.total_timeout_s
+        while True:
+            if usage.attempts and is_cancelled():
+                raise Cancelled()
+            if not breaker.allow():
+                return self._fallback(job, usage, "circuit_open")
+            usage.attempts += 1
+            started = self._clock()
+            try:
+                response = await self._call(job, messages, deadline, is_cancelled)
+                text = _answer_text(response)
+            except Cancelled:
+                breaker.release()
+                raise
+            except Exception as exc:  # every failure becomes a decision below, never a crash
+                failure = self._classify(exc)
+            else:
+                failure = None
+            elapsed = self._clock() - started
+            usage.upstream_latency_ms += elapsed * 1000.0
+            self.observer.attempt_done(job.model, elapsed, failure.reason if failure else "ok")
+
+            if failure is None:
+                breaker.record_success()
+                prompt_tokens, completion_tokens = tokens_from(getattr(response, "usage", None))
+                usage.prompt_tokens, usage.completion_tokens = prompt_tokens, completion_tokens
+                usage.total_tokens = prompt_tokens + completion_tokens
+                usage.cost_usd = cost_usd(prompt_tokens, completion_tokens, *self.settings.prices_for(job.model))
+                if key is not None:
+                    self.cache.put(key, text)
+                outcome = "ok" if usage.attempts == 1 else "retried"
+                return self._done(job, Result(text, "llm", usage, outcome))
+
+            if failure.upstream_fault:
+                breaker.record_failure()
+            else:
+                breaker.release()
+            if not failure.retryable or usage.attempts >= self.settings.max_attempts:
+                return self._fallback(job, usage, failure.reason)
+            if failure.retry_after_s is not None and failure.retry_after_s > self.settings.max_retry_after_s:
+                return self._fallback(job, usage, failure.reason)
+            delay = backoff_delay(usage.attempts, self.settings.backoff_base_s, self.settings.backoff_max_s,
+                                  failure.retry_after_s, self._rand)
+            if self._clock() + delay >= deadline:
+                return self._fallback(job, usage, failure.reason)
+            await self._sleep(delay, is_cancelled)
+
+    async def aclose(self):
+        if self.client is not None:
+            await self.client.close()
+
+    # -- one upstream attempt ------------------------------------------------------
+
+    async def _call(self, job, messages, deadline, is_cancelled):
+        """Wait for a slot under the concurrency cap (queueing, not failing),
+        then make one call bounded by the per-attempt timeout."""
+        self._queued += 1
+        self.observer.queued(self._queued)
+        try:
+            await self._wait(asyncio.ensure_future(self._slots.acquire()),
+                             deadline - self._clock(), is_cancelled)
+        finally:
+            self._queued -= 1
+            self.observer.queued(self._queued)
+        self._in_flight += 1
+        self.observer.in_flight(self._in_flight)
+        try:
+            timeout = max(0.001, min(job.timeout_s, deadline - self._clock()))
+            call = self.client.chat.completions.create(
+                model=job.model, messages=messages, max_tokens=job.max_tokens,
+                temperature=job.temperature, timeout=timeout)
+            return await self._wait(asyncio.ensure_future(call), timeout, is_cancelled)
+        finally:
+            self._slots.release()
+            self._in_flight -= 1
+            self.observer.in_flight(self._in_flight)
+
+    async def _wait(self, task, timeout, is_cancelled):
+        """Await `task` for at most `timeout` seconds, checking for cancellation
+        every cancel_poll_s; the task is cancelled if we stop waiting."""
+        end = self._clock() + timeout
+        try:
+            while True:
+                remaining = end - self._clock()
+                if remaining <= 0:
+                    raise TimeoutError()
+                done, _ = await asyncio.wait({task}, timeout=min(remaining, self.settings.cancel_poll_s))
+                if done:
+                    return task.result()
+                if is_cancelled():
+                    raise Cancelled()
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except BaseException:
+                    pass
+            raise
+
+    async def _sleep(self, delay, is_cancelled):
+        end = self._clock() + delay
+        while (remaining := end - self._clock()) > 0:
+            await asyncio.sleep(min(remaining, self.settings.cancel_poll_s))
+            if is_cancelled():
+                raise Cancelled()
+
+    # -- decisions and bookkeeping ---------------------------------------------------
+
+    def _classify(self, exc):
+        if isinstance(exc, (TimeoutError, openai.APITimeoutError)):
+            failure = Failure("timeout", retryable=True)
+        elif isinstance(exc, openai.APIStatusError):
+            failure = classify_status(exc.status_code, exc.response.headers)
+        elif isinstance(exc, openai.APIConnectionError):
+            failure = Failure("connection_error", retryable=True)
+        else:
+            # A 200 whose body is not a chat completion: a proxy or server glitch.
+            failure = Failure("malformed_response", retryable=True)
+        self._warn_rate_limited(failure.reason, f"upstream attempt failed ({failure.reason}): "
+                                f"{type(exc).__name__}: {self.scrub(exc)}")
+        return failure
+
+    def _fallback(self, job, usage, reason):
+        usage.fallback_reason = reason
+        if self.settings.on_failure == "error":
+            return self._done(job, Result("", "fallback", usage, "error"))
+        return self._done(job, Result(fallback_description(job.labels, job.scores), "fallback", usage, "fallback"))
+
+    def _done(self, job, result):
+        self.observer.request_done(job.model, result.outcome, result.usage)
+        return result
+
+    def _breaker(self, model):
+        breaker = self._breakers.get(model)
+        if breaker is None:
+            def on_change(state, model=model):
+                self.observer.circuit(model, state)
+                if self.log:
+                    self.log.warn(f"circuit for upstream model '{model}' is now {state}")
+            breaker = CircuitBreaker(self.settings.circuit_failure_threshold, self.settings.circuit_cooldown_s,
+                                     self._clock, on_change)
+            self._breakers[model] = breaker
+            self.observer.circuit(model, breaker.state)
+        return breaker
+
+    def _warn_rate_limited(self, reason, message, every_s=10.0):
+        # An outage at 1,000 requests/s must not turn into 1,000 log lines/s.
+        now = self._clock()
+        if self.log and now - self._last_warned.get(reason, -every_s) >= every_s:
+            self._last_warned[reason] = now
+            self.log.warn(message)
+
+
+def _answer_text(response):
+    try:
+        text = response.choices[0].message.content
+    except (AttributeError, IndexError, TypeError):
+        raise MalformedResponse("no choices[0].message.content in the response") from None
+    if not isinstance(text, str) or not text.strip():
+        raise MalformedResponse("empty answer")
+    return text.strip()
+
+
+def make_client(settings, api_key):
+    """One AsyncOpenAI client for the model's lifetime, with a connection pool
+    as large as the concurrency cap, and no SDK retries: ours are explicit."""
+    http_client = openai.DefaultAsyncHttpxClient(
+        limits=httpx2.Limits(max_connections=settings.max_in_flight,
+                             max_keepalive_connections=settings.max_in_flight),
+        timeout=httpx2.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s)),
+    )
+    return openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
+                              timeout=settings.timeout_s, http_client=http_client)

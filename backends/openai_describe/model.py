@@ -1,0 +1,287 @@
+"""Triton adapter of the openai_describe backend: owns the tensor names and
+every pb_utils call; the logic lives in the modules beside it.
+
+Non-decoupled on purpose (HTTP /infer and ensembles keep working), yet the
+instance never blocks on the network: execute() only validates and hands
+each request to an asyncio loop in its own thread, then returns None; that
+loop sends each request's single response through its response sender.
+"""
+
+import asyncio
+import json
+import math
+import os
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from describer import NO_KEY_HELP, Cancelled, Describer, Job, Observer, make_client
+from scrubbing import Scrubber
+from settings import SettingsError, parse_settings
+
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+OUTCOMES = ("ok", "retried", "cached", "fallback", "error", "cancelled", "invalid")
+CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+# Without an API key a local endpoint still wants some bearer string.
+NO_KEY_PLACEHOLDER = "no-key-required"
+
+
+class InvalidInput(ValueError):
+    pass
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.name = args["model_name"]
+        self.log = _Log(f"[{self.name}] ")
+        if config.get("model_transaction_policy", {}).get("decoupled"):
+            raise pb_utils.TritonModelException(
+                f"{self.name}: openai_describe is meant to be non-decoupled (one response per request, "
+                "so HTTP /infer and ensembles work); remove model_transaction_policy.decoupled")
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        try:
+            self.settings = parse_settings(params, os.environ)
+        except SettingsError as exc:
+            raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
+        s = self.settings
+
+        api_key, key_source = s.load_api_key(os.environ)
+        self.scrub = Scrubber(api_key)
+        if api_key is None and not s.api_key_required:
+            api_key = NO_KEY_PLACEHOLDER
+        if api_key is None:
+            # Said once, at load: every request would otherwise repeat it.
+            self.log.warn(NO_KEY_HELP.format(where=key_source, prefix=s.env_prefix))
+
+        self.metrics = _Metrics({"model": self.name, "version": args["model_version"]})
+        self.closing = False
+        self.tasks = set()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.name}-llm", daemon=True)
+        self.thread.start()
+
+        async def build():
+            client = make_client(s, api_key) if api_key is not None else None
+            return Describer(s, client, self.scrub, self.metrics, self.log)
+
+        self.describer = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
+        self.log.info(
+            f"upstream {s.base_url} model {s.model}; key from {key_source}: "
+            f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
+            f"max_in_flight {s.max_in_flight}, timeout {s.timeout_s}s x {s.max_attempts} attempts, "
+            f"cache {'on' if s.cache_enabled else 'off'}, on_failure {s.on_failure}"
+            + (f"; from environment: {', '.join(s.from_env)}" if s.from_env else ""))
+
+    def execute(self, requests):
+        accepted = []
+        for request in requests:
+            try:
+                if self.closing:
+                    raise _Reject("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
+                accepted.append((request, self._jobs(request)))
+            except (InvalidInput, SettingsError) as exc:
+                self.metrics.request_done(None, "invalid", None)
+                self._send_error(request, str(exc), pb_utils.TritonError.INVALID_ARG)
+            except _Reject as exc:
+                self._send_error(request, str(exc), exc.code)
+        if accepted:
+            # One wake-up of the loop per batch, not per request.
+            self.loop.call_soon_threadsafe(self._start, accepted)
+        return None
+
+    def finalize(self):
+        """Stop taking requests, let in-flight ones finish (bounded), then stop the loop."""
+        self.closing = True
+        drain_s = self.settings.total_timeout_s + 5.0
+
+        async def drain():
+            if self.tasks:
+                _, pending = await asyncio.wait(set(self.tasks), timeout=drain_s)
+                for task in pending:
+                    task.cancel()  # each still sends its response (UNAVAILABLE)
+                if pending:
+                    await asyncio.wait(pending, timeout=5.0)
+            await self.describer.aclose()
+
+        try:
+            asyncio.run_coroutine_threadsafe(drain(), self.loop).result(drain_s + 10.0)
+        except Exception as exc:
+            self.log.error(f"drain at unload failed: {self.scrub(exc)}")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10.0)
+        self.loop.close()
+
+    # -- on the loop thread -----------------------------------------------------------
+
+    def _start(self, accepted):
+        for request, jobs in accepted:
+            task = self.loop.create_task(self._respond(request, jobs))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _respond(self, request, jobs):
+        try:
+            results = await asyncio.gather(
+                *(self.describer.describe(job, request.is_cancelled) for job in jobs))
+            failed = [r.usage.fallback_reason for r in results if r.outcome == "error"]
+            if failed:
+                # on_failure=error: the caller asked for an error instead of a fallback.
+                response = _error_response(f"the LLM upstream could not answer ({failed[0]})",
+                                           pb_utils.TritonError.UNAVAILABLE)
+            else:
+                response = pb_utils.InferenceResponse(output_tensors=[
+                    _bytes_tensor("DESCRIPTION", [r.description for r in results]),
+                    _bytes_tensor("DESCRIPTION_SOURCE", [r.source for r in results]),
+                    _bytes_tensor("USAGE", [r.usage.to_json() for r in results]),
+                ])
+        except Cancelled:
+            self.metrics.request_done(None, "cancelled", None)
+            response = _error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+        except asyncio.CancelledError:
+            response = _error_response("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
+        except Exception as exc:  # a bug must cost one response, not the instance
+            self.metrics.request_done(None, "error", None)
+            message = self.scrub(f"{type(exc).__name__}: {exc}")
+            self.log.error(f"describe failed: {message}")
+            response = _error_response("internal error in the describe step", pb_utils.TritonError.INTERNAL)
+        try:
+            request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:
+            self.log.error(f"could not send a response: {self.scrub(exc)}")
+
+    # -- on the model thread --------------------------------------------------------
+
+    def _jobs(self, request):
+        """One Job per batch row; raises InvalidInput or SettingsError (both INVALID_ARG)."""
+        labels = _input(request, "LABELS")
+        scores = _input(request, "SCORES")
+        if labels is None or scores is None:
+            raise InvalidInput("LABELS and SCORES are required")
+        prompts = _input(request, "PROMPT")
+        if labels.shape != scores.shape or labels.ndim != 2 or labels.shape[1] == 0:
+            raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
+                               "must have the same non-empty shape")
+        params = json.loads(request.parameters() or "{}")
+        model, temperature, max_tokens, timeout_s = self.settings.resolve_overrides(params)
+        jobs = []
+        for row in range(labels.shape[0]):
+            row_scores = tuple(float(x) for x in scores[row])
+            if not all(math.isfinite(x) for x in row_scores):
+                raise InvalidInput("SCORES must be finite")
+            prompt = _text(prompts[row].reshape(-1)[0]).strip() if prompts is not None else ""
+            if len(prompt) > self.settings.max_prompt_chars:
+                raise InvalidInput(f"PROMPT is longer than {self.settings.max_prompt_chars} characters")
+            jobs.append(Job(
+                labels=tuple(_text(x) for x in labels[row]), scores=row_scores,
+                prompt=prompt or self.settings.default_prompt,
+                model=model, temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s))
+        return jobs
+
+    def _send_error(self, request, message, code):
+        request.get_response_sender().send(
+            _error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class _Reject(Exception):
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _text(value):
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _bytes_tensor(name, texts):
+    return pb_utils.Tensor(name, np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))
+
+
+def _error_response(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class _Log:
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def info(self, message):
+        pb_utils.Logger.log_info(self.prefix + message)
+
+    def warn(self, message):
+        pb_utils.Logger.log_warn(self.prefix + message)
+
+    def error(self, message):
+        pb_utils.Logger.log_error(self.prefix + message)
+
+
+class _Metrics(Observer):
+    """Prometheus metrics through pb_utils.MetricFamily, labelled with the Triton
+    model and version; per-upstream-model series are created on first use."""
+
+    def __init__(self, labels):
+        self.labels = labels
+        family = pb_utils.MetricFamily
+        self.requests = family("describe_requests_total",
+                               "Describe requests by outcome (ok, retried, cached, fallback, error, "
+                               "cancelled, invalid)", family.COUNTER)
+        self.prompt_tokens = family("describe_prompt_tokens_total", "Prompt tokens billed upstream",
+                                    family.COUNTER)
+        self.completion_tokens = family("describe_completion_tokens_total",
+                                        "Completion tokens billed upstream", family.COUNTER)
+        self.cost = family("describe_cost_usd_total", "Upstream cost in US dollars", family.COUNTER)
+        self.latency = family("describe_upstream_latency_seconds",
+                              "Latency of each upstream attempt, by result", family.HISTOGRAM)
+        self.circuit_state = family("describe_circuit_state",
+                                    "Circuit breaker per upstream model: 0 closed, 1 half-open, 2 open",
+                                    family.GAUGE)
+        self.in_flight_gauge = family("describe_upstream_in_flight", "Upstream calls in flight",
+                                      family.GAUGE).Metric(labels=labels)
+        self.queued_gauge = family("describe_upstream_queued",
+                                   "Upstream calls waiting for a slot under max_in_flight",
+                                   family.GAUGE).Metric(labels=labels)
+        lookups = family("describe_cache_lookups_total", "In-model LLM answer cache lookups",
+                         family.COUNTER)
+        self.cache_hit = lookups.Metric(labels=dict(labels, result="hit"))
+        self.cache_miss = lookups.Metric(labels=dict(labels, result="miss"))
+        self._series = {}
+        for outcome in OUTCOMES:  # created up front: both threads count outcomes
+            self._metric(self.requests, outcome=outcome)
+
+    def _metric(self, family, buckets=None, **extra):
+        key = (id(family), tuple(sorted(extra.items())))
+        metric = self._series.get(key)
+        if metric is None:
+            labels = dict(self.labels, **extra)
+            metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+            self._series[key] = metric
+        return metric
+
+    def request_done(self, model, outcome, usage):
+        self._metric(self.requests, outcome=outcome).increment(1)
+        if usage is not None and usage.total_tokens:
+            self._metric(self.prompt_tokens, upstream_model=model).increment(usage.prompt_tokens)
+            self._metric(self.completion_tokens, upstream_model=model).increment(usage.completion_tokens)
+            self._metric(self.cost, upstream_model=model).increment(usage.cost_usd)
+
+    def attempt_done(self, model, latency_s, reason):
+        self._metric(self.latency, buckets=LATENCY_BUCKETS_S, upstream_model=model, result=reason) \
+            .observe(latency_s)
+
+    def in_flight(self, count):
+        self.in_flight_gauge.set(count)
+
+    def queued(self, count):
+        self.queued_gauge.set(count)
+
+    def circuit(self, model, state):
+        self._metric(self.circuit_state, upstream_model=model).set(CIRCUIT_STATE_VALUE[state])
+
+    def cache(self, hit):
+        (self.cache_hit if hit else self.cache_miss).increment(1)

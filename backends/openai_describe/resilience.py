@@ -1,0 +1,125 @@
+"""Retry decisions, back-off and the circuit breaker. No network, no Triton:
+the clock and the random source are injectable so tests are exact."""
+
+import email.utils
+import random
+import time
+from dataclasses import dataclass
+
+# Status codes that retrying cannot fix: the request or the credentials are wrong.
+NO_RETRY_STATUS = {400, 401, 403, 404, 422}
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong with one upstream attempt, in words safe to log and return."""
+
+    reason: str               # short code: http_429, timeout, connection_error, ...
+    retryable: bool
+    retry_after_s: float = None  # from the Retry-After header, when the upstream sent one
+    # Whether the failure says something about the upstream's health
+    # (counts toward opening the circuit); a 400 or 401 does not.
+    upstream_fault: bool = True
+
+
+def classify_status(status, headers=None):
+    retry_after = parse_retry_after(headers or {})
+    if status in NO_RETRY_STATUS:
+        return Failure(f"http_{status}", retryable=False, upstream_fault=False)
+    if status == 429 or status == 408 or status == 409 or status >= 500:
+        return Failure(f"http_{status}", retryable=True, retry_after_s=retry_after)
+    return Failure(f"http_{status}", retryable=False, upstream_fault=False)
+
+
+def parse_retry_after(headers, now=None):
+    """Seconds to wait from `retry-after-ms`, or `retry-after` as seconds or an
+    HTTP date; None when absent or unreadable."""
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            return max(0.0, float(millis) / 1000.0)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    now = time.time() if now is None else now
+    return max(0.0, when.timestamp() - now)
+
+
+def backoff_delay(attempt, base_s, max_s, retry_after_s=None, rand=random.random):
+    """Delay before attempt `attempt + 1` (attempt counts from 1).
+
+    Exponential with full jitter spreads synchronized retries of many
+    requests; a Retry-After from the upstream is a floor, not a suggestion.
+    """
+    ceiling = min(max_s, base_s * (2 ** (attempt - 1)))
+    delay = ceiling * rand()
+    if retry_after_s is not None:
+        # Honour the server's wait, plus a little jitter so 500 waiting
+        # requests do not all come back in the same millisecond.
+        delay = retry_after_s + min(delay, 0.1 * max(retry_after_s, base_s))
+    return delay
+
+
+class CircuitBreaker:
+    """Closed -> open after `threshold` consecutive upstream faults; after
+    `cooldown_s` one probe call is let through (half-open): success closes
+    the circuit, failure opens it again for another cooldown.
+
+    Used from one asyncio loop thread only, so it needs no lock.
+    """
+
+    CLOSED, HALF_OPEN, OPEN = "closed", "half_open", "open"
+
+    def __init__(self, threshold, cooldown_s, clock=time.monotonic, on_change=None):
+        self.threshold = threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._on_change = on_change or (lambda state: None)
+        self.state = self.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probe_in_flight = False
+
+    def allow(self):
+        """May a call go upstream now? In half-open, only the single probe may."""
+        if self.state == self.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
+            self._set(self.HALF_OPEN)
+        if self.state == self.CLOSED:
+            return True
+        if self.state == self.HALF_OPEN and not self._probe_in_flight:
+            self._probe_in_flight = True
+            return True
+        return False
+
+    def record_success(self):
+        self._failures = 0
+        self._probe_in_flight = False
+        if self.state != self.CLOSED:
+            self._set(self.CLOSED)
+
+    def record_failure(self):
+        self._failures += 1
+        self._probe_in_flight = False
+        if self.state == self.HALF_OPEN or self._failures >= self.threshold:
+            self._opened_at = self._clock()
+            self._set(self.OPEN)
+
+    def release(self):
+        """A call that ended without a verdict (cancelled, or a client error):
+        let another probe through instead of waiting forever."""
+        self._probe_in_flight = False
+
+    def _set(self, state):
+        if state != self.state:
+            self.state = state
+            self._on_change(state)

@@ -1,0 +1,242 @@
+"""Typed settings for the describe step, parsed once at model load.
+
+Sources, lowest to highest precedence: the defaults below, the model's
+config.pbtxt `parameters`, then environment variables named
+`<env_prefix><NAME>` (e.g. LLM_BASE_URL, LLM_MODEL, LLM_TIMEOUT_S), so one
+committed model repository can point at any endpoint. The API key itself is
+never a setting: it is read from the environment variable `api_key_env`
+(default `<env_prefix>API_KEY`) or from the file `api_key_file`.
+
+Every problem raises SettingsError with a message that says what to fix.
+"""
+
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import string
+from dataclasses import dataclass, field
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You describe objects recognised in a photo by an image classifier. "
+    "Use the classifier's labels and confidences; say when it is unsure. "
+    "Answer in plain prose, at most a short paragraph."
+)
+DEFAULT_PROMPT_TEMPLATE = (
+    "{prompt}\n\nThe image classifier's top labels, with confidence:\n{labels}"
+)
+# The placeholders a prompt template may use (see prompting.py).
+TEMPLATE_FIELDS = {"prompt", "labels", "top_label"}
+ON_FAILURE = ("fallback", "error")
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    env_prefix: str = "LLM_"
+    base_url: str = "https://api.openai.com/v1"
+    model: str = "gpt-4o-mini"
+    # Comma-separated glob patterns a request may pick with the `model`
+    # parameter; the default model is always allowed.
+    allowed_models: tuple = ()
+    max_tokens: int = 256
+    max_tokens_limit: int = 1024
+    temperature: float = 0.2
+    temperature_min: float = 0.0
+    temperature_max: float = 1.0
+    timeout_s: float = 15.0        # one upstream attempt
+    total_timeout_s: float = 30.0  # all attempts and back-off of one request
+    max_attempts: int = 3
+    backoff_base_s: float = 0.25
+    backoff_max_s: float = 4.0
+    max_retry_after_s: float = 10.0  # a longer Retry-After means: fall back now
+    circuit_failure_threshold: int = 5
+    circuit_cooldown_s: float = 10.0
+    max_in_flight: int = 1024
+    cancel_poll_s: float = 0.5
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    default_prompt: str = "Describe this object in detail"
+    max_prompt_chars: int = 2000  # a caller's PROMPT is input tokens we pay for
+    price_input_per_million: float = 0.15
+    price_output_per_million: float = 0.60
+    # {"model": [input_price, output_price]} for models priced differently.
+    model_prices: dict = field(default_factory=dict)
+    api_key_env: str = ""  # empty: <env_prefix>API_KEY
+    api_key_file: str = ""
+    api_key_required: bool = True
+    on_failure: str = "fallback"
+    cache_enabled: bool = True
+    cache_max_entries: int = 10000
+    cache_ttl_s: float = 3600.0
+    # Names of the settings that came from the environment (for the load log).
+    from_env: tuple = ()
+
+    # -- per-request overrides -------------------------------------------------
+
+    def is_model_allowed(self, model):
+        return model == self.model or any(fnmatch.fnmatchcase(model, p) for p in self.allowed_models)
+
+    def prices_for(self, model):
+        return self.model_prices.get(model, (self.price_input_per_million, self.price_output_per_million))
+
+    def resolve_overrides(self, params):
+        """Return (model, temperature, max_tokens, timeout_s) for one request.
+
+        `params` are the Triton request parameters; unknown keys are ignored
+        (an ensemble may carry parameters meant for other steps). Values out
+        of the limits set in config raise SettingsError, never silently clamp.
+        """
+        model = params.get("model", self.model)
+        if not isinstance(model, str) or not model:
+            raise SettingsError("parameter 'model' must be a non-empty string")
+        if not self.is_model_allowed(model):
+            raise SettingsError(f"model '{model}' is not allowed here (allowed_models)")
+        temperature = _number(params, "temperature", self.temperature)
+        if not self.temperature_min <= temperature <= self.temperature_max:
+            raise SettingsError(
+                f"temperature {temperature} is outside [{self.temperature_min}, {self.temperature_max}]")
+        max_tokens = _number(params, "max_tokens", self.max_tokens)
+        if max_tokens != int(max_tokens) or not 1 <= max_tokens <= self.max_tokens_limit:
+            raise SettingsError(f"max_tokens must be an integer in [1, {self.max_tokens_limit}]")
+        # A caller may only shorten the per-attempt timeout ("answer fast or fall back").
+        timeout_s = _number(params, "timeout_s", self.timeout_s)
+        if not 0 < timeout_s <= self.timeout_s:
+            raise SettingsError(f"timeout_s must be in (0, {self.timeout_s}]")
+        return model, float(temperature), int(max_tokens), float(timeout_s)
+
+    # -- the API key -------------------------------------------------------------
+
+    def load_api_key(self, environ):
+        """Return (key or None, where it was looked for). Never logs the key."""
+        if self.api_key_file:
+            try:
+                with open(self.api_key_file, encoding="utf-8") as f:
+                    key = f.read().strip()
+            except OSError as exc:
+                return None, f"file {self.api_key_file} ({exc.strerror})"
+            return key or None, f"file {self.api_key_file}"
+        env_name = self.api_key_env or self.env_prefix + "API_KEY"
+        return environ.get(env_name, "").strip() or None, f"environment variable {env_name}"
+
+
+def _number(params, name, default):
+    value = params.get(name, default)
+    if isinstance(value, bool):
+        raise SettingsError(f"parameter '{name}' must be a number")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"parameter '{name}' must be a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise SettingsError(f"parameter '{name}' must be finite")
+    return value
+
+
+def _parse_bool(text):
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+def _convert(name, kind, text):
+    if kind is bool:
+        return _parse_bool(text)
+    if kind is int:
+        return int(text)
+    if kind is float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+    if name == "allowed_models":
+        return tuple(p.strip() for p in text.split(",") if p.strip())
+    if name == "model_prices":
+        prices = json.loads(text or "{}")
+        if not isinstance(prices, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v)
+                for v in prices.values()):
+            raise ValueError('expected JSON like {"gpt-4o": [2.5, 10.0]} (USD per million tokens)')
+        return {k: (float(v[0]), float(v[1])) for k, v in prices.items()}
+    return text
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name != "from_env"}
+_KINDS = {name: type(f.default) if f.default is not dataclasses.MISSING else dict
+          for name, f in _FIELDS.items()}
+
+
+def parse_settings(parameters, environ=None):
+    """Build Settings from config.pbtxt parameters ({key: str}) and the environment."""
+    environ = os.environ if environ is None else environ
+    if "api_key" in parameters:
+        raise SettingsError(
+            "config parameter 'api_key' is refused: never put the key in config; "
+            "set api_key_env (an environment variable name) or api_key_file (a path)")
+    unknown = sorted(set(parameters) - set(_FIELDS))
+    if unknown:
+        raise SettingsError(f"unknown config parameter(s) {unknown}; known: {sorted(_FIELDS)}")
+
+    raw = dict(parameters)
+    prefix = raw.get("env_prefix", Settings.env_prefix)
+    from_env = []
+    for name in _FIELDS:
+        if name == "env_prefix":
+            continue
+        env_value = environ.get(prefix + name.upper())
+        if env_value is not None and env_value != "":
+            raw[name] = env_value
+            from_env.append(name)
+
+    values = {}
+    for name, text in raw.items():
+        try:
+            values[name] = _convert(name, _KINDS[name], text)
+        except (ValueError, json.JSONDecodeError) as exc:
+            source = f"environment variable {prefix}{name.upper()}" if name in from_env else "config parameter"
+            raise SettingsError(f"{source} '{name}'={text!r} is invalid: {exc}") from None
+    settings = Settings(**values, from_env=tuple(from_env))
+    _validate(settings)
+    return settings
+
+
+def _validate(s):
+    problems = []
+    if not s.base_url.startswith(("http://", "https://")):
+        problems.append(f"base_url must start with http:// or https://, got {s.base_url!r}")
+    if not s.model:
+        problems.append("model must not be empty")
+    if not 1 <= s.max_tokens <= s.max_tokens_limit:
+        problems.append("max_tokens must be in [1, max_tokens_limit]")
+    if not s.temperature_min <= s.temperature <= s.temperature_max:
+        problems.append("temperature must be in [temperature_min, temperature_max]")
+    for name in ("timeout_s", "total_timeout_s", "circuit_cooldown_s", "cancel_poll_s"):
+        if getattr(s, name) <= 0:
+            problems.append(f"{name} must be > 0")
+    for name in ("backoff_base_s", "backoff_max_s", "max_retry_after_s", "cache_ttl_s",
+                 "price_input_per_million", "price_output_per_million"):
+        if getattr(s, name) < 0:
+            problems.append(f"{name} must be >= 0")
+    for name in ("max_attempts", "circuit_failure_threshold", "max_in_flight", "cache_max_entries",
+                 "max_prompt_chars"):
+        if getattr(s, name) < 1:
+            problems.append(f"{name} must be >= 1")
+    if s.on_failure not in ON_FAILURE:
+        problems.append(f"on_failure must be one of {ON_FAILURE}")
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(s.prompt_template) if f is not None}
+    except ValueError as exc:
+        fields = set()
+        problems.append(f"prompt_template is not a valid format string: {exc}")
+    if fields - TEMPLATE_FIELDS:
+        problems.append(f"prompt_template uses unknown placeholder(s) {sorted(fields - TEMPLATE_FIELDS)}; "
+                        f"available: {sorted(TEMPLATE_FIELDS)}")
+    if problems:
+        raise SettingsError("invalid describe settings: " + "; ".join(problems))

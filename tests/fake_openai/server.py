@@ -1,0 +1,227 @@
+"""A fake OpenAI-compatible chat-completions upstream on real HTTP.
+
+It answers POST /v1/chat/completions, and its behaviour can be changed while
+it runs through an admin API on the same port:
+
+  POST /_admin/mode   {"mode": "ok" | "429" | "500" | "401" | "hang" | "malformed"
+                                | "drop" | "refuse",
+                       "latency_ms": 0,      # added before every answer
+                       "retry_after": 1,     # Retry-After header of "429"
+                       "count": null,        # apply to the next N requests, then "ok"
+                       "duration_s": 3}      # "refuse": stop listening this long
+  GET  /_admin/stats  requests received, in flight, last Authorization header,
+                      recent bodies and arrival times, disconnects
+  POST /_admin/reset  back to "ok" with the start-up latency; clears the stats
+
+"drop" accepts the connection and closes it without an answer; "refuse" stops
+the listener and closes open connections, so new connections are refused,
+then listens again after `duration_s` (the admin API is unreachable while it
+does not listen). "hang" holds the request until the client goes away.
+Each "ok" answer is numbered, so a test can tell a cached answer from a new one.
+"""
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse")
+RECENT = 50  # bodies and arrival times kept for /_admin/stats
+
+
+class FakeOpenAI:
+    def __init__(self, host="127.0.0.1", port=0, latency_ms=0.0):
+        self.host = host
+        self.port = port
+        self.default_latency_ms = float(latency_ms)
+        self._runner = None
+        self._site = None
+        self._transports = set()
+        self._reset()
+
+    # -- lifecycle (call from the event loop that serves) ---------------------------
+
+    async def start(self):
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/_admin/mode", self._admin_mode)
+        app.router.add_get("/_admin/stats", self._admin_stats)
+        app.router.add_post("/_admin/reset", self._admin_reset)
+        # handler_cancellation: a client that disconnects cancels its handler, so a
+        # "hang" ends when the caller gives up and the stats can count it.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        await self._listen()
+        self.port = self._site._server.sockets[0].getsockname()[1]
+
+    async def stop(self):
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @property
+    def base_url(self):
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def _listen(self):
+        self._site = web.TCPSite(self._runner, self.host, self.port, backlog=4096, reuse_address=True)
+        await self._site.start()
+
+    # -- behaviour ----------------------------------------------------------------------
+
+    def _reset(self):
+        self.mode = "ok"
+        self.latency_ms = self.default_latency_ms
+        self.retry_after = 1.0
+        self.count = None
+        self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
+                      "disconnected": 0, "last_authorization": None, "bodies": [], "arrivals": [],
+                      "by_mode": {}}
+
+    def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.mode = mode
+        self.count = count
+        if latency_ms is not None:
+            self.latency_ms = float(latency_ms)
+        if retry_after is not None:
+            self.retry_after = float(retry_after)
+        if mode == "refuse":
+            asyncio.get_running_loop().create_task(self._refuse(float(duration_s)))
+
+    async def _refuse(self, duration_s):
+        await self._site.stop()
+        for transport in list(self._transports):
+            transport.close()
+        self._transports.clear()
+        await asyncio.sleep(duration_s)
+        self.mode = "ok"
+        await self._listen()
+
+    def _take_mode(self):
+        mode = self.mode
+        if self.count is not None:
+            self.count -= 1
+            if self.count <= 0:
+                self.mode, self.count = "ok", None
+        return mode
+
+    async def _chat(self, request):
+        stats = self.stats
+        stats["requests"] += 1
+        stats["in_flight"] += 1
+        stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+        stats["last_authorization"] = request.headers.get("Authorization")
+        stats["arrivals"] = (stats["arrivals"] + [time.time()])[-RECENT:]
+        if request.transport is not None:
+            self._transports.add(request.transport)
+        mode = self._take_mode()
+        stats["by_mode"][mode] = stats["by_mode"].get(mode, 0) + 1
+        try:
+            body = await request.json()
+            stats["bodies"] = (stats["bodies"] + [body])[-RECENT:]
+            if self.latency_ms:
+                await asyncio.sleep(self.latency_ms / 1000.0)
+            return await self._answer(mode, request, body)
+        except asyncio.CancelledError:
+            stats["disconnected"] += 1
+            raise
+        finally:
+            stats["in_flight"] -= 1
+
+    async def _answer(self, mode, request, body):
+        if mode == "429":
+            return _error(429, "Rate limit reached", "rate_limit_exceeded",
+                          headers={"Retry-After": _seconds(self.retry_after)})
+        if mode == "500":
+            return _error(500, "The server had an error while processing your request", "server_error")
+        if mode == "401":
+            # Real providers echo (part of) the key they were given: a good test for scrubbing.
+            given = (request.headers.get("Authorization") or "").removeprefix("Bearer ")
+            return _error(401, f"Incorrect API key provided: {given}.", "invalid_api_key")
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        if mode == "malformed":
+            return web.Response(status=200, text='{"id": "chatcmpl-x", "choices": [', content_type="application/json")
+        if mode == "drop":
+            request.transport.close()
+            raise asyncio.CancelledError()
+        if mode == "refuse":  # a request that slipped in before the listener stopped
+            request.transport.close()
+            raise asyncio.CancelledError()
+        return self._completion(body)
+
+    def _completion(self, body):
+        self.stats["answered_ok"] += 1
+        number = self.stats["answered_ok"]
+        model = body.get("model", "")
+        messages = body.get("messages") or [{"content": ""}]
+        user = str(messages[-1].get("content", ""))
+        content = f"Fake answer #{number} from {model}: {user.splitlines()[0][:80]}"
+        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        completion_tokens = len(content.split())
+        return web.json_response({
+            "id": f"chatcmpl-fake-{number}", "object": "chat.completion", "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": content}}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+        })
+
+    # -- admin API --------------------------------------------------------------------
+
+    async def _admin_mode(self, request):
+        payload = await request.json()
+        try:
+            self.set_mode(payload.get("mode", "ok"), payload.get("latency_ms"), payload.get("retry_after"),
+                          payload.get("count"), payload.get("duration_s", 3.0))
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.json_response(self._describe_mode())
+
+    async def _admin_stats(self, request):
+        return web.json_response(dict(self.stats, **self._describe_mode()))
+
+    async def _admin_reset(self, request):
+        self._reset()
+        return web.json_response(self._describe_mode())
+
+    def _describe_mode(self):
+        return {"mode": self.mode, "latency_ms": self.latency_ms, "retry_after": self.retry_after,
+                "count": self.count}
+
+
+def _seconds(value):
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _error(status, message, code, headers=None):
+    return web.json_response({"error": {"message": message, "type": "error", "param": None, "code": code}},
+                             status=status, headers=headers)
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.fake_openai", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+
+    async def serve():
+        fake = FakeOpenAI(args.host, args.port, args.latency_ms)
+        await fake.start()
+        print(f"fake_openai: listening on {fake.base_url} (latency {args.latency_ms} ms)", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await fake.stop()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
