@@ -1,0 +1,320 @@
+"""backends/image_preprocess without a server: decoding rules, transform, adapter."""
+
+import importlib.util
+import io
+import json
+import pathlib
+import re
+import struct
+import sys
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image, ImageFile
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BACKEND = REPO / "backends" / "image_preprocess"
+CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
+sys.path.insert(0, str(BACKEND))
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings  # noqa: E402
+
+pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
+
+
+@pytest.fixture(autouse=True)
+def restore_pillow_guard(monkeypatch):
+    # initialize() sets the process-wide Image.MAX_IMAGE_PIXELS; undo it after each test.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
+
+
+def load_adapter_module():
+    spec = importlib.util.spec_from_file_location("image_preprocess_model", BACKEND / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+model_module = load_adapter_module()
+
+
+# ---------------------------------------------------------------- helpers
+
+def committed_parameters():
+    """The `parameters` of the committed config.pbtxt, as Triton hands them to the model."""
+    text = CONFIG.read_text()
+    found = re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', text)
+    assert found, "no parameters found in config.pbtxt"
+    return {key: {"string_value": value} for key, value in found}
+
+
+def model_config(parameters=None, dims=(3, 224, 224)):
+    return {
+        "name": "preprocess",
+        "max_batch_size": 8,
+        "input": [{"name": "IMAGE", "data_type": "TYPE_STRING", "dims": [1]}],
+        "output": [{"name": "PIXELS", "data_type": "TYPE_FP32", "dims": list(dims)}],
+        "parameters": committed_parameters() if parameters is None else parameters,
+    }
+
+
+def make_model(config=None):
+    model = model_module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config or model_config()), "model_name": "preprocess",
+                      "model_version": "1", "model_repository": str(CONFIG.parent)})
+    return model
+
+
+def encode(image, fmt, **options):
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def request(*images):
+    array = np.array([[data] for data in images], dtype=np.object_)
+    return pb_utils.InferenceRequest({"IMAGE": array})
+
+
+def solid(color, size=(64, 48)):
+    return Image.new("RGB", size, color)
+
+
+def normalised(rgb):
+    return (np.asarray(rgb, dtype=np.float32) - 127.0) / 128.0
+
+
+def png_with_header_size(width, height):
+    """A valid 16x16 PNG whose IHDR claims width x height (a decompression bomb's header)."""
+    data = bytearray(encode(solid((1, 2, 3), (16, 16)), "PNG"))
+    ihdr_start = 8  # after the signature: length(4) type(4) data(13) crc(4)
+    assert data[ihdr_start + 4:ihdr_start + 8] == b"IHDR"
+    struct.pack_into(">II", data, ihdr_start + 8, width, height)
+    crc = zlib.crc32(bytes(data[ihdr_start + 4:ihdr_start + 8 + 13]))
+    struct.pack_into(">I", data, ihdr_start + 8 + 13, crc)
+    return bytes(data)
+
+
+@pytest.fixture
+def preprocessor():
+    return ImagePreprocessor(PreprocessSettings())
+
+
+# ---------------------------------------------------------------- settings
+
+def test_committed_config_parses_to_the_reference_transform():
+    params = {k: v["string_value"] for k, v in committed_parameters().items()}
+    settings = PreprocessSettings.from_parameters(params)
+    assert settings.resize_shorter_side == 256 and settings.crop_size == 224
+    assert settings.mean == (127.0, 127.0, 127.0) and settings.std == (128.0, 128.0, 128.0)
+    assert settings.min_image_side == 8 and settings.max_pixels == 40_000_000
+
+
+@pytest.mark.parametrize("params, words", [
+    ({"crop_size": "abc"}, "crop_size must be a positive integer"),
+    ({"max_pixels": "-5"}, "max_pixels must be a positive integer"),
+    ({"mean": "1,2"}, "mean must be three comma-separated numbers"),
+    ({"std": "128,0,128"}, "std values must be > 0"),
+    ({"crop_size": "300"}, "must not exceed resize_shorter_side"),
+    ({"resize": "256"}, "unknown parameter(s) ['resize']"),
+])
+def test_invalid_settings_say_what_to_fix(params, words):
+    with pytest.raises(ConfigError) as caught:
+        PreprocessSettings.from_parameters(params)
+    assert words in str(caught.value)
+
+
+def test_adapter_fails_load_on_bad_parameter():
+    config = model_config(parameters={"mean": {"string_value": "nope"}})
+    with pytest.raises(pb_utils.TritonModelException, match="config.pbtxt: parameter mean"):
+        make_model(config)
+
+
+def test_adapter_fails_load_when_output_dims_do_not_match_crop():
+    with pytest.raises(pb_utils.TritonModelException, match=r"PIXELS must have dims \[3, 224, 224\]"):
+        make_model(model_config(dims=(3, 200, 200)))
+
+
+# ---------------------------------------------------------------- formats and modes
+
+LOSSLESS = ["PNG", "BMP", "GIF", "WEBP-lossless"]
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "WEBP-lossless", "BMP", "GIF"])
+def test_every_format_gives_the_colour_it_encodes(preprocessor, fmt):
+    color = (200, 100, 40)
+    options = {"lossless": True} if fmt == "WEBP-lossless" else {}
+    data = encode(solid(color), fmt.split("-")[0], **options)
+    pixels = preprocessor(data)
+    assert pixels.shape == (3, 224, 224) and pixels.dtype == np.float32
+    tolerance = 1e-6 if fmt in LOSSLESS else 4 / 128  # lossy codecs move a solid colour a little
+    expected = normalised(color).reshape(3, 1, 1)
+    assert np.abs(pixels - expected).max() <= tolerance
+
+
+@pytest.mark.parametrize("mode, fmt", [
+    ("L", "PNG"), ("L", "JPEG"), ("LA", "PNG"), ("1", "BMP"), ("P", "PNG"), ("P", "GIF"),
+    ("RGBA", "PNG"), ("RGBA", "WEBP"), ("CMYK", "JPEG"), ("I;16", "PNG"),
+])
+def test_every_mode_becomes_rgb(preprocessor, mode, fmt):
+    source = solid((30, 160, 220))
+    image = source.convert(mode)
+    if mode == "I;16":  # 16-bit grayscale: 0x8080 must scale to 8-bit 128, not clip to 255
+        image = Image.fromarray(np.full((48, 64), 0x8080, dtype=np.uint16))
+        expected = (128, 128, 128)
+    else:
+        expected = np.asarray(image.convert("RGB"))[0, 0]
+    options = {"lossless": True} if fmt == "WEBP" else {}
+    data = encode(image, fmt, **options)
+    decoded = preprocessor.decode(data)
+    assert decoded.mode == "RGB"
+    tolerance = 4 if fmt == "JPEG" else 0
+    assert np.abs(np.asarray(decoded, dtype=int)[5, 5] - np.asarray(expected, dtype=int)).max() <= tolerance
+
+
+def test_palette_png_with_transparency_drops_alpha_without_warning(preprocessor, recwarn):
+    image = solid((10, 200, 10)).convert("P")
+    data = encode(image, "PNG", transparency=0)
+    assert preprocessor.decode(data).mode == "RGB"
+    assert not [w for w in recwarn if "ransparency" in str(w.message)]
+
+
+def test_gif_uses_the_first_frame(preprocessor):
+    frames = [solid((255, 0, 0)), solid((0, 0, 255))]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    assert Image.open(io.BytesIO(data)).n_frames == 2
+    pixels = preprocessor(data)
+    assert np.allclose(pixels[:, 100, 100], normalised((255, 0, 0)), atol=1e-6)
+
+
+@pytest.mark.parametrize("orientation, size, top_left_color", [
+    (1, (300, 200), (255, 0, 0)),  # as stored: red left half, blue right half
+    (6, (200, 300), (255, 0, 0)),  # rotate 90 clockwise to display: red ends up on top
+    (8, (200, 300), (0, 0, 255)),  # rotate 90 counter-clockwise: blue on top
+    (3, (300, 200), (0, 0, 255)),  # rotate 180: blue on the left
+])
+def test_exif_orientation_is_applied(preprocessor, orientation, size, top_left_color):
+    image = Image.new("RGB", (300, 200), (0, 0, 255))
+    image.paste((255, 0, 0), (0, 0, 150, 200))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(image, "JPEG", exif=exif, quality=95)
+    decoded = preprocessor.decode(data)
+    assert decoded.size == size
+    assert np.abs(np.asarray(decoded, dtype=int)[10, 10] - top_left_color).max() < 10
+
+
+def test_transform_matches_the_reference_definition(preprocessor):
+    from tests.reference import reference_pixels
+    from skimage import data_dir
+
+    data = (pathlib.Path(data_dir) / "chelsea.png").read_bytes()
+    assert np.array_equal(preprocessor(data), reference_pixels(data))
+
+
+def test_extreme_aspect_ratio_is_cropped_not_blown_up(preprocessor):
+    data = encode(solid((50, 60, 70), (8, 4000)), "PNG")
+    assert preprocessor(data).shape == (3, 224, 224)
+
+
+# ---------------------------------------------------------------- bad input
+
+def truncated_jpeg():
+    noisy = Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 300, 3), dtype=np.uint8))
+    data = encode(noisy, "JPEG")
+    return data[: len(data) // 2]
+
+
+BAD_INPUTS = {
+    "empty": (b"", "empty"),
+    "random_bytes": (np.random.default_rng(1).bytes(4096), "not a recognised image"),
+    "truncated_jpeg": (truncated_jpeg(), "truncated"),
+    "one_pixel": (encode(solid((1, 1, 1), (1, 1)), "PNG"), "at least 8 pixels"),
+    "thin_strip": (encode(solid((1, 1, 1), (300, 4)), "PNG"), "at least 8 pixels"),
+    "bomb_50000x50000": (png_with_header_size(50000, 50000), "pixels"),
+    "tiff": (encode(solid((1, 2, 3)), "TIFF"), "not supported"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_invalid_image_with_a_reason(preprocessor, name):
+    data, words = BAD_INPUTS[name]
+    with pytest.raises(InvalidImage) as caught:
+        preprocessor(data)
+    assert words in str(caught.value)
+
+
+def test_max_pixels_is_checked_from_the_header_before_decoding(monkeypatch):
+    preprocessor = ImagePreprocessor(PreprocessSettings(max_pixels=10_000))
+    data = encode(solid((1, 2, 3), (200, 200)), "PNG")
+
+    def no_decoding(self):
+        raise AssertionError("pixels were decoded before the size check")
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    with pytest.raises(InvalidImage, match=r"200x200 = 40000 pixels, more than the 10000 allowed"):
+        preprocessor(data)
+
+
+def test_bomb_header_is_rejected_before_decoding(preprocessor, monkeypatch):
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("decoded a bomb"))
+    with pytest.raises(InvalidImage, match="pixels"):
+        preprocessor(png_with_header_size(50000, 50000))
+
+
+def test_max_image_bytes():
+    preprocessor = ImagePreprocessor(PreprocessSettings(max_image_bytes=100))
+    with pytest.raises(InvalidImage, match="more than the 100 allowed"):
+        preprocessor(encode(solid((1, 2, 3)), "BMP"))
+
+
+# ---------------------------------------------------------------- adapter
+
+def test_adapter_batch_mixes_good_and_bad_requests():
+    model = make_model()
+    good = encode(solid((200, 100, 40)), "PNG")
+    bad_names = list(BAD_INPUTS)
+    requests = [request(good)] + [request(BAD_INPUTS[name][0]) for name in bad_names] + [request(good, good)]
+    responses = model.execute(requests)
+
+    assert len(responses) == len(requests)
+    first, *bad, last = responses
+    expected = np.broadcast_to(normalised((200, 100, 40)).reshape(3, 1, 1), (3, 224, 224))
+    assert not first.has_error() and np.allclose(first.output("PIXELS")[0], expected, atol=1e-6)
+    assert not last.has_error() and last.output("PIXELS").shape == (2, 3, 224, 224)
+    for name, response in zip(bad_names, bad):
+        assert response.has_error(), name
+        assert response.error().code() == pb_utils.TritonError.INVALID_ARG, name
+        assert BAD_INPUTS[name][1] in response.error().message(), name
+
+
+def test_one_bad_image_fails_its_whole_request_only():
+    model = make_model()
+    good = encode(solid((1, 2, 3)), "PNG")
+    responses = model.execute([request(good, b""), request(good)])
+    assert responses[0].error().code() == pb_utils.TritonError.INVALID_ARG
+    assert not responses[1].has_error()
+
+
+def test_unexpected_failure_is_internal_without_traceback(monkeypatch, fake_pb_utils_module):
+    model = make_model()
+    monkeypatch.setattr(model, "preprocessor", lambda data: 1 / 0)
+    responses = model.execute([request(b"x")])
+    error = responses[0].error()
+    assert error.code() == pb_utils.TritonError.INTERNAL
+    assert "Traceback" not in error.message() and "ZeroDivision" not in error.message()
+    assert any("ZeroDivisionError" in message for level, message in pb_utils.Logger.records if level == "error")
+
+
+def test_adapter_sets_pillow_bomb_guard():
+    make_model()
+    assert Image.MAX_IMAGE_PIXELS == 40_000_000
+
+
+def test_warmup_file_is_a_length_prefixed_jpeg(preprocessor):
+    raw = (CONFIG.parent / "warmup" / "chelsea_320.jpeg.raw").read_bytes()
+    (length,) = struct.unpack("<I", raw[:4])
+    assert length == len(raw) - 4
+    assert Image.open(io.BytesIO(raw[4:])).format == "JPEG"
+    assert preprocessor(raw[4:]).shape == (3, 224, 224)
+    assert "chelsea_320.jpeg.raw" in CONFIG.read_text()
