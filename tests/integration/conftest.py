@@ -158,6 +158,19 @@ def triton(fake_llm, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def test_api_key():
+    return TEST_API_KEY
+
+
+@pytest.fixture
+def llm(fake_llm):
+    """The fake upstream, reset to answering "ok" before and after the test."""
+    fake_llm.admin("reset", {})
+    yield fake_llm
+    fake_llm.admin("reset", {})
+
+
+@pytest.fixture(scope="session")
 def photos():
     """Real photos that ship with scikit-image, as encoded bytes."""
     import skimage.data
