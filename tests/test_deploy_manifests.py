@@ -1,0 +1,384 @@
+"""deploy/: every Kubernetes manifest validates against the Kubernetes schemas,
+and the numbers that must agree across files do.
+
+kustomize is not needed: `render()` below applies what our kustomizations use
+(resources, images, labels, strategic-merge patches that merge lists of
+objects by `name`, JSON 6902 add/replace). `kubectl kustomize deploy/overlays/<x>`
+gives the same objects where kubectl is installed.
+
+ServiceMonitor, ServingRuntime and InferenceService are CRDs: their schemas
+are not in kubernetes-validate's core set, so they get a structural check
+(apiVersion, kind, name, the fields the controllers need) instead.
+"""
+
+import copy
+import json
+import pathlib
+import re
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+OVERLAYS = ("cpu", "gpu")
+# The oldest Kubernetes we claim to support, and the newest schema bundled.
+K8S_VERSIONS = ("1.29.0", "1.33.0")
+DEPLOYMENT = "classify-describe"
+CONTAINER = "tritonserver"
+KEY_SECRET = "classify-describe-llm-key"
+PROBE_PATHS = {"live": "/v2/health/live", "ready": "/v2/health/ready"}
+
+
+# -- a small kustomize ---------------------------------------------------------
+
+def load_docs(path):
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def strategic_merge(base, patch):
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
+        return merged
+    if (isinstance(base, list) and isinstance(patch, list)
+            and all(isinstance(x, dict) and "name" in x for x in base + patch)):
+        merged = [copy.deepcopy(x) for x in base]
+        for item in patch:
+            for index, existing in enumerate(merged):
+                if existing["name"] == item["name"]:
+                    merged[index] = strategic_merge(existing, item)
+                    break
+            else:
+                merged.append(copy.deepcopy(item))
+        return merged
+    return copy.deepcopy(patch)
+
+
+def json6902(doc, operations):
+    doc = copy.deepcopy(doc)
+    for operation in operations:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"].split("/")[1:]]
+        node = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if operation["op"] == "add" and isinstance(node, list):
+            node.insert(len(node) if last == "-" else int(last), operation["value"])
+        elif operation["op"] in ("add", "replace"):
+            node[int(last) if isinstance(node, list) else last] = operation["value"]
+        else:
+            raise AssertionError(f"render() does not know op {operation['op']!r}")
+    return doc
+
+
+def matches(doc, target):
+    group, _, version = doc["apiVersion"].rpartition("/")
+    wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
+    return all(wanted[key] == value for key, value in target.items())
+
+
+def render(directory):
+    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs = []
+    for resource in kustomization.get("resources", []):
+        path = directory / resource
+        docs += render(path) if path.is_dir() else load_docs(path)
+    for patch in kustomization.get("patches", []):
+        body = yaml.safe_load((directory / patch["path"]).read_text())
+        if isinstance(body, list):  # JSON 6902
+            docs = [json6902(d, body) if matches(d, patch["target"]) else d for d in docs]
+        else:
+            docs = [strategic_merge(d, body)
+                    if (d["kind"], d["metadata"]["name"]) == (body["kind"], body["metadata"]["name"]) else d
+                    for d in docs]
+    for label in kustomization.get("labels", []):
+        assert not label.get("includeSelectors") and not label.get("includeTemplates"), \
+            "render() only knows metadata labels"
+        for doc in docs:
+            doc["metadata"].setdefault("labels", {}).update(label["pairs"])
+    for image in kustomization.get("images", []):
+        for doc in docs:
+            for container in pod_spec(doc).get("containers", []) if doc["kind"] == "Deployment" else []:
+                name, _, _ = container["image"].partition(":")
+                if name == image["name"]:
+                    container["image"] = f"{image.get('newName', name)}:{image['newTag']}"
+    return docs
+
+
+def pod_spec(doc):
+    return doc["spec"]["template"]["spec"]
+
+
+def by_kind(docs, kind):
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def server_container(docs):
+    containers = {c["name"]: c for c in pod_spec(by_kind(docs, "Deployment"))["containers"]}
+    return containers[CONTAINER]
+
+
+def flag(args, name):
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, f"expected one --{name}=... in {args}"
+    return values[0]
+
+
+def quantity_bytes(text):
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+    match = re.fullmatch(r"(\d+)([KMGT]i?)?", str(text))
+    assert match, f"unreadable quantity {text!r}"
+    return int(match.group(1)) * units.get(match.group(2), 1)
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request):
+    return request.param, render(DEPLOY / "overlays" / request.param)
+
+
+# -- schema validation ---------------------------------------------------------
+
+CORE_FILES = sorted(p for p in DEPLOY.rglob("*.yaml")
+                    if p.name != "kustomization.yaml" and "kserve" not in p.parts
+                    and "monitoring" not in p.parts)
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_rendered_overlays_validate_strictly(overlay, k8s_version):
+    name, docs = overlay
+    assert {d["kind"] for d in docs} >= {"Deployment", "Service", "ConfigMap",
+                                         "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, k8s_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            pytest.fail(f"overlay {name}: {doc['kind']}/{doc['metadata']['name']} "
+                        f"is invalid for Kubernetes {k8s_version}: {error.message}")
+
+
+def test_every_plain_manifest_validates_on_its_own():
+    """Base files and the Secret example (not in any kustomization) too; patch files
+    are partial objects and are checked through the rendered overlays instead."""
+    checked = 0
+    for path in CORE_FILES:
+        for doc in load_docs(path):
+            if isinstance(doc, list) or "overlays" in path.parts:
+                continue
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+            checked += 1
+    assert checked >= 6
+
+
+def test_kserve_resources_are_well_formed():
+    runtime = load_docs(DEPLOY / "kserve/servingruntime.yaml")[0]
+    service = load_docs(DEPLOY / "kserve/inferenceservice.yaml")[0]
+    assert (runtime["apiVersion"], runtime["kind"]) == ("serving.kserve.io/v1alpha1", "ServingRuntime")
+    assert (service["apiVersion"], service["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
+    model = service["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["protocolVersion"] == "v2" and "v2" in runtime["spec"]["protocolVersions"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+
+    # The pieces that are plain Kubernetes objects inside the CRDs validate as such:
+    # the runtime's container and the predictor's volumes, in a throwaway Pod.
+    container = dict(runtime["spec"]["containers"][0])
+    for key in ("env", "envFrom", "volumeMounts"):
+        container[key] = model.get(key, [])
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kserve-check"},
+           "spec": {"containers": [container], "volumes": service["spec"]["predictor"]["volumes"],
+                    "terminationGracePeriodSeconds": service["spec"]["predictor"]["terminationGracePeriodSeconds"]}}
+    kubernetes_validate.validate(pod, K8S_VERSIONS[-1], strict=True)
+    check_probes(container, {8080: "http"})
+    check_graceful_shutdown(container, pod["spec"])
+    check_api_key_is_a_file(container, pod["spec"])
+
+
+def test_servicemonitor_and_adapter_rule_match_the_deployment():
+    docs = render(DEPLOY / "overlays/cpu")
+    monitor = load_docs(DEPLOY / "monitoring/servicemonitor.yaml")[0]
+    assert (monitor["apiVersion"], monitor["kind"]) == ("monitoring.coreos.com/v1", "ServiceMonitor")
+    service = by_kind(docs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in service["spec"]["ports"]}
+
+    rules = yaml.safe_load((DEPLOY / "monitoring/prometheus-adapter-values.yaml").read_text())["rules"]["custom"]
+    adapter_metrics = {rule["name"]["as"] for rule in rules}
+    hpa = by_kind(docs, "HorizontalPodAutoscaler")
+    hpa_metrics = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert hpa_metrics and hpa_metrics <= adapter_metrics, "the HPA scales on a metric no adapter rule makes"
+    for rule in rules:  # every Triton series the rule reads is one the server exports
+        for series in re.findall(r"\b(nv_\w+)\{", rule["seriesQuery"] + rule["metricsQuery"]):
+            assert series in {"nv_inference_queue_duration_us", "nv_inference_request_success",
+                              "nv_inference_pending_request_count"}, series
+
+
+# -- what must agree across files ---------------------------------------------
+
+def dockerfile_cmd():
+    for line in (REPO / "Dockerfile").read_text().splitlines():
+        if line.startswith("CMD "):
+            return json.loads(line[4:])
+    raise AssertionError("Dockerfile has no exec-form CMD")
+
+
+def check_probes(container, port_names):
+    ports = {p.get("name"): p["containerPort"] for p in container["ports"]}
+    ports.update({p["containerPort"]: p["containerPort"] for p in container["ports"]})
+    for probe, path in (("startupProbe", PROBE_PATHS["ready"]), ("livenessProbe", PROBE_PATHS["live"]),
+                        ("readinessProbe", PROBE_PATHS["ready"])):
+        get = container[probe]["httpGet"]
+        assert get["path"] == path, f"{probe} must GET {path}"
+        port = ports[get["port"]]
+        assert port_names.get(port) == "http", f"{probe} must probe the HTTP port, not {port}"
+        assert flag(container["args"], "http-port") == str(port)
+
+
+def check_graceful_shutdown(container, spec):
+    """preStop sleep + Triton's exit timeout fit in the grace period; the LLM step
+    gives up before Triton's exit timeout, so in-flight requests do get answered."""
+    exit_timeout = int(flag(container["args"], "exit-timeout-secs"))
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep", "preStop should only wait for the endpoint removal to spread"
+    pre_stop = int(command[1])
+    assert 5 <= pre_stop <= 30
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace >= pre_stop + exit_timeout + 5, (
+        f"terminationGracePeriodSeconds {grace} < preStop {pre_stop} + --exit-timeout-secs "
+        f"{exit_timeout} + 5: the kubelet would SIGKILL requests Triton is still finishing")
+
+
+def check_api_key_is_a_file(container, spec):
+    env = {e["name"]: e for e in container.get("env", [])}
+    for name, entry in env.items():
+        assert not (name.endswith("API_KEY") or "secretKeyRef" in entry.get("valueFrom", {})), \
+            f"{name}: the key must come from a mounted file, never an env var (kubectl describe shows it)"
+    key_path = pathlib.PurePosixPath(env["LLM_API_KEY_FILE"]["value"])
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
+    assert any(key_path.parent == pathlib.PurePosixPath(m["mountPath"]) and m.get("readOnly")
+               and volumes[m["name"]]["secret"]["secretName"] == KEY_SECRET
+               and key_path.name in {i["path"] for i in volumes[m["name"]]["secret"]["items"]}
+               for m in mounts), f"LLM_API_KEY_FILE={key_path} is not a file of the mounted Secret {KEY_SECRET}"
+
+
+def test_probes_point_at_tritons_health_endpoints(overlay):
+    _, docs = overlay
+    container = server_container(docs)
+    check_probes(container, {8000: "http", 8001: "grpc", 8002: "metrics"})
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == \
+        {"http": 8000, "grpc": 8001, "metrics": 8002}
+    startup = container["startupProbe"]
+    # Model loading (torch import, TorchScript load, the load-time check) must fit.
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+def test_deployment_runs_the_dockerfiles_server_command(overlay):
+    name, docs = overlay
+    args = server_container(docs)["args"]
+    cmd = dockerfile_cmd()
+    missing = [a for a in cmd if a not in args]
+    assert not missing, f"overlay {name}: the Deployment's args dropped {missing} from the Dockerfile CMD"
+    assert ("--model-config-name=gpu" in args) == (name == "gpu")
+
+
+def test_graceful_shutdown_numbers_agree(overlay):
+    _, docs = overlay
+    deployment = by_kind(docs, "Deployment")
+    container = server_container(docs)
+    check_graceful_shutdown(container, pod_spec(deployment))
+    llm = by_kind(docs, "ConfigMap")["data"]
+    assert float(llm["LLM_TOTAL_TIMEOUT_S"]) < int(flag(container["args"], "exit-timeout-secs")), \
+        "an LLM call may outlast --exit-timeout-secs and be cut at shutdown"
+
+
+def test_llm_settings_from_configmap_and_key_from_a_secret_file(overlay):
+    _, docs = overlay
+    container = server_container(docs)
+    configmap = by_kind(docs, "ConfigMap")
+    assert {"configMapRef": {"name": configmap["metadata"]["name"]}} in container["envFrom"]
+    assert {"LLM_BASE_URL", "LLM_MODEL"} <= configmap["data"].keys()
+    assert not any("KEY" in key and not key.endswith("_FILE") for key in configmap["data"])
+    check_api_key_is_a_file(container, pod_spec(by_kind(docs, "Deployment")))
+    secret = load_docs(DEPLOY / "base/llm-api-key.secret.example.yaml")[0]
+    assert secret["metadata"]["name"] == KEY_SECRET and "Secret" not in {d["kind"] for d in docs}
+
+
+def test_shared_memory_is_memory_backed_and_fits_the_limit(overlay):
+    _, docs = overlay
+    container = server_container(docs)
+    volumes = {v["name"]: v for v in pod_spec(by_kind(docs, "Deployment"))["volumes"]}
+    (shm,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    empty_dir = volumes[shm["name"]]["emptyDir"]
+    assert empty_dir["medium"] == "Memory"
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    # A memory-backed emptyDir is charged to the container's memory.
+    assert quantity_bytes(limits["memory"]) >= quantity_bytes(empty_dir["sizeLimit"]) + 2 * 2**30
+    assert quantity_bytes(requests["memory"]) <= quantity_bytes(limits["memory"])
+
+
+def test_service_pdb_hpa_and_scrape_annotations_select_the_pods(overlay):
+    _, docs = overlay
+    deployment = by_kind(docs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    container = server_container(docs)
+    port_names = {p["name"] for p in container["ports"]}
+
+    service = by_kind(docs, "Service")
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == port_names
+
+    pdb = by_kind(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    hpa = by_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["minReplicas"] >= 2, "one replica could not survive a restart or a drain"
+    assert pdb["spec"]["maxUnavailable"] < hpa["spec"]["minReplicas"]
+    assert {m["type"] for m in hpa["spec"]["metrics"]} == {"Pods", "Resource"}
+
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == flag_int(container["args"], "metrics-port")
+
+
+def flag_int(args, name):
+    return int(flag(args, name))
+
+
+def test_gpu_overlay_requests_a_gpu_and_the_classifier_has_a_gpu_config():
+    docs = render(DEPLOY / "overlays/gpu")
+    container = server_container(docs)
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert flag(container["args"], "model-config-name") == "gpu"
+    cpu = server_container(render(DEPLOY / "overlays/cpu"))
+    assert "nvidia.com/gpu" not in cpu["resources"]["limits"]
+
+    classifier = REPO / "model_repository/classifier"
+    gpu_config = (classifier / "configs/gpu.pbtxt").read_text()
+    assert re.search(r"kind:\s*KIND_GPU", gpu_config) and not re.search(r"kind:\s*KIND_CPU", gpu_config)
+    # Everything but the instance groups (and comments) must stay the CPU config's:
+    # the same name, backend, batching, inputs, outputs and parameters.
+    assert pbtxt_without_instance_groups(gpu_config) == \
+        pbtxt_without_instance_groups((classifier / "config.pbtxt").read_text()), (
+        "model_repository/classifier/configs/gpu.pbtxt drifted from config.pbtxt; "
+        "copy config.pbtxt and change only instance_group")
+
+
+def pbtxt_without_instance_groups(text):
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    start = text.find("instance_group")
+    if start >= 0:
+        depth, index = 0, text.index("[", start)
+        for index in range(index, len(text)):
+            depth += {"[": 1, "]": -1}.get(text[index], 0)
+            if depth == 0:
+                break
+        text = text[:start] + text[index + 1:]
+    return " ".join(text.split())
