@@ -50,3 +50,37 @@ def reference_top5(data):
         logits = eager_model()(torch.from_numpy(reference_pixels(data))[None])
         scores, indices = torch.softmax(logits, dim=1)[0].topk(5)
     return [labels()[i] for i in indices.tolist()], scores.numpy()
+
+
+def encode(image, fmt, **options):
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def png_with_header_size(width, height):
+    """A valid 16x16 PNG whose IHDR claims width x height: a decompression bomb's header."""
+    import struct
+    import zlib
+
+    data = bytearray(encode(Image.new("RGB", (16, 16), (1, 2, 3)), "PNG"))
+    ihdr = 8  # after the PNG signature: length(4) type(4) data(13) crc(4)
+    assert data[ihdr + 4:ihdr + 8] == b"IHDR"
+    struct.pack_into(">II", data, ihdr + 8, width, height)
+    struct.pack_into(">I", data, ihdr + 8 + 13, zlib.crc32(bytes(data[ihdr + 4:ihdr + 8 + 13])))
+    return bytes(data)
+
+
+def bad_images():
+    """name -> (encoded bytes, words the INVALID_ARG message must contain)."""
+    rng = np.random.default_rng(0)
+    noisy = encode(Image.fromarray(rng.integers(0, 255, (200, 300, 3), dtype=np.uint8)), "JPEG")
+    return {
+        "empty": (b"", "empty"),
+        "random_bytes": (rng.bytes(4096), "not a recognised image"),
+        "truncated_jpeg": (noisy[: len(noisy) // 2], "truncated"),
+        "one_pixel": (encode(Image.new("RGB", (1, 1)), "PNG"), "at least 8 pixels"),
+        "thin_strip": (encode(Image.new("RGB", (300, 4)), "PNG"), "at least 8 pixels"),
+        "bomb_50000x50000": (png_with_header_size(50000, 50000), "pixels"),
+        "tiff": (encode(Image.new("RGB", (64, 48)), "TIFF"), "not supported"),
+    }

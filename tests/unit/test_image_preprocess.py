@@ -7,7 +7,6 @@ import pathlib
 import re
 import struct
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -18,6 +17,8 @@ BACKEND = REPO / "backends" / "image_preprocess"
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
 sys.path.insert(0, str(BACKEND))
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings  # noqa: E402
+
+from tests.reference import bad_images, png_with_header_size  # noqa: E402
 
 pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
 
@@ -82,17 +83,6 @@ def solid(color, size=(64, 48)):
 
 def normalised(rgb):
     return (np.asarray(rgb, dtype=np.float32) - 127.0) / 128.0
-
-
-def png_with_header_size(width, height):
-    """A valid 16x16 PNG whose IHDR claims width x height (a decompression bomb's header)."""
-    data = bytearray(encode(solid((1, 2, 3), (16, 16)), "PNG"))
-    ihdr_start = 8  # after the signature: length(4) type(4) data(13) crc(4)
-    assert data[ihdr_start + 4:ihdr_start + 8] == b"IHDR"
-    struct.pack_into(">II", data, ihdr_start + 8, width, height)
-    crc = zlib.crc32(bytes(data[ihdr_start + 4:ihdr_start + 8 + 13]))
-    struct.pack_into(">I", data, ihdr_start + 8 + 13, crc)
-    return bytes(data)
 
 
 @pytest.fixture
@@ -219,21 +209,7 @@ def test_extreme_aspect_ratio_is_cropped_not_blown_up(preprocessor):
 
 # ---------------------------------------------------------------- bad input
 
-def truncated_jpeg():
-    noisy = Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 300, 3), dtype=np.uint8))
-    data = encode(noisy, "JPEG")
-    return data[: len(data) // 2]
-
-
-BAD_INPUTS = {
-    "empty": (b"", "empty"),
-    "random_bytes": (np.random.default_rng(1).bytes(4096), "not a recognised image"),
-    "truncated_jpeg": (truncated_jpeg(), "truncated"),
-    "one_pixel": (encode(solid((1, 1, 1), (1, 1)), "PNG"), "at least 8 pixels"),
-    "thin_strip": (encode(solid((1, 1, 1), (300, 4)), "PNG"), "at least 8 pixels"),
-    "bomb_50000x50000": (png_with_header_size(50000, 50000), "pixels"),
-    "tiff": (encode(solid((1, 2, 3)), "TIFF"), "not supported"),
-}
+BAD_INPUTS = bad_images()
 
 
 @pytest.mark.parametrize("name", BAD_INPUTS)

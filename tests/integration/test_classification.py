@@ -1,0 +1,126 @@
+"""The `classify` ensemble (preprocess -> classifier) on the real tritonserver.
+
+Uses the session fixtures `triton` and `photos` from conftest.py; answers are compared
+with the eager PyTorch reference in tests/reference.py.
+"""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.reference import bad_images, reference_top5
+
+BAD_IMAGES = bad_images()
+
+
+def image_input(module, data):
+    tensor = module.InferInput("IMAGE", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[data]], dtype=np.object_))
+    return tensor
+
+
+def classify(url, data):
+    """One request on its own HTTP connection, so concurrent calls really overlap."""
+    client = httpclient.InferenceServerClient(url, network_timeout=120)
+    try:
+        result = client.infer("classify", [image_input(httpclient, data)])
+        return [label.decode() for label in result.as_numpy("LABELS")[0]], result.as_numpy("SCORES")[0]
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def client(triton):
+    client = httpclient.InferenceServerClient(triton.http_url, network_timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.mark.parametrize("name, expected_top", [
+    ("chelsea", {"Egyptian cat", "tabby", "tiger cat"}),
+    ("coffee", {"espresso"}),
+])
+def test_top5_matches_in_process_pytorch(triton, photos, name, expected_top):
+    labels, scores = classify(triton.http_url, photos[name])
+    ref_labels, ref_scores = reference_top5(photos[name])
+    assert labels == ref_labels
+    np.testing.assert_allclose(scores, ref_scores, atol=1e-4)
+    assert set(labels[:len(expected_top)]) == expected_top
+
+
+def test_two_images_in_one_request(client, photos):
+    tensor = httpclient.InferInput("IMAGE", [2, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[photos["chelsea"]], [photos["coffee"]]], dtype=np.object_))
+    result = client.infer("classify", [tensor])
+    labels = result.as_numpy("LABELS")
+    assert labels.shape == (2, 5) and labels[1, 0] == b"espresso"
+
+
+@pytest.mark.parametrize("name", BAD_IMAGES)
+def test_bad_image_fails_alone_while_a_concurrent_good_one_succeeds(triton, photos, name):
+    data, words = BAD_IMAGES[name]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        good = [pool.submit(classify, triton.http_url, photos["coffee"]) for _ in range(2)]
+        bad = pool.submit(classify, triton.http_url, data)
+        with pytest.raises(InferenceServerException) as caught:
+            bad.result()
+        for future in good:
+            labels, scores = future.result()
+            assert labels[0] == "espresso"
+    assert caught.value.status() == "400"  # INVALID_ARG over HTTP
+    assert words in caught.value.message()
+    assert "Traceback" not in caught.value.message()
+
+
+def test_all_bad_inputs_at_once_with_good_ones(triton, photos):
+    """One burst, so the dynamic batcher puts good and bad requests in the same batches."""
+    inputs = [(name, data) for name, (data, _) in BAD_IMAGES.items()]
+    inputs += [("good", photos["chelsea"]), ("good", photos["coffee"])] * 3
+    with ThreadPoolExecutor(max_workers=len(inputs)) as pool:
+        futures = [(name, pool.submit(classify, triton.http_url, data)) for name, data in inputs]
+        for name, future in futures:
+            if name == "good":
+                labels, _ = future.result()
+                assert labels[0] in {"espresso", "tiger cat", "Egyptian cat", "tabby"}
+            else:
+                with pytest.raises(InferenceServerException, match=BAD_IMAGES[name][1]):
+                    future.result()
+    assert triton.is_ready()
+
+
+def test_invalid_arg_over_grpc(triton):
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("classify", [image_input(grpcclient, b"")])
+        assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "empty" in caught.value.message()
+    finally:
+        client.close()
+
+
+def test_wrong_dtype_names_the_expected_one(client):
+    tensor = httpclient.InferInput("IMAGE", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 1), dtype=np.float32))
+    with pytest.raises(InferenceServerException, match="data-type is 'FP32', but model 'classify' expects 'BYTES'"):
+        client.infer("classify", [tensor])
+
+
+def test_wrong_shape_names_the_expected_one(client):
+    tensor = httpclient.InferInput("PIXELS", [1, 3, 100, 100], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 3, 100, 100), dtype=np.float32))
+    with pytest.raises(InferenceServerException, match=r"Expected \[-1,3,224,224\], got \[1,3,100,100\]"):
+        client.infer("classifier", [tensor])
+
+
+def test_server_still_ready_after_bad_inputs(triton, client, photos):
+    # Named to run after the bad-input tests in file order; asserts nothing was lost.
+    assert client.is_server_live() and client.is_server_ready()
+    for model in ("preprocess", "classifier", "classify"):
+        assert client.is_model_ready(model), model
+    labels, _ = classify(triton.http_url, photos["coffee"])
+    assert labels[0] == "espresso"
