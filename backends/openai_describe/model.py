@@ -241,13 +241,15 @@ class _Metrics(Observer):
         self.circuit_state = family("describe_circuit_state",
                                     "Circuit breaker per upstream model: 0 closed, 1 half-open, 2 open",
                                     family.GAUGE)
-        self.in_flight_gauge = family("describe_upstream_in_flight", "Upstream calls in flight",
-                                      family.GAUGE).Metric(labels=labels)
-        self.queued_gauge = family("describe_upstream_queued",
-                                   "Upstream calls waiting for a slot under max_in_flight",
-                                   family.GAUGE).Metric(labels=labels)
+        in_flight = family("describe_upstream_in_flight", "Upstream calls in flight", family.GAUGE)
+        queued = family("describe_upstream_queued", "Upstream calls waiting for a slot under max_in_flight",
+                        family.GAUGE)
         lookups = family("describe_cache_lookups_total", "In-model LLM answer cache lookups",
                          family.COUNTER)
+        # A MetricFamily must outlive its Metrics (the stub refuses updates otherwise).
+        self._families = [in_flight, queued, lookups]
+        self.in_flight_gauge = in_flight.Metric(labels=labels)
+        self.queued_gauge = queued.Metric(labels=labels)
         self.cache_hit = lookups.Metric(labels=dict(labels, result="hit"))
         self.cache_miss = lookups.Metric(labels=dict(labels, result="miss"))
         self._series = {}

@@ -225,3 +225,42 @@ def main(argv=None):
         asyncio.run(serve())
     except KeyboardInterrupt:
         pass
+
+
+class ThreadedFakeOpenAI:
+    """The fake on its own event loop thread, for tests whose code under test
+    runs its own loop (e.g. the Triton adapter): `with ThreadedFakeOpenAI() as fake:`."""
+
+    def __init__(self, latency_ms=0.0):
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-openai", daemon=True)
+        self.fake = FakeOpenAI(port=0, latency_ms=latency_ms)
+
+    def __enter__(self):
+        self._thread.start()
+        self._run(self.fake.start())
+        return self
+
+    def __exit__(self, *exc):
+        self._run(self.fake.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def base_url(self):
+        return self.fake.base_url
+
+    def set_mode(self, mode="ok", **kwargs):
+        async def apply():
+            self.fake.set_mode(mode, **kwargs)
+        self._run(apply())
+
+    def stats(self):
+        async def copy():
+            return json.loads(json.dumps(self.fake.stats))
+        return self._run(copy())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)

@@ -1,0 +1,247 @@
+"""The LLM call and its resilience, over real HTTP against the fake upstream
+(tests/fake_openai) on 127.0.0.1, with the real openai SDK."""
+
+import asyncio
+import pathlib
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "backends/openai_describe"))
+from describer import Cancelled, Describer, Job, Observer, make_client  # noqa: E402
+from scrubbing import Scrubber  # noqa: E402
+from settings import parse_settings  # noqa: E402
+from tests.fake_openai import FakeOpenAI  # noqa: E402
+
+KEY = "sk-unit-DO-NOT-LEAK-1234567890"
+FAST = {"timeout_s": "2", "backoff_base_s": "0.01", "backoff_max_s": "0.05", "cancel_poll_s": "0.05",
+        "circuit_failure_threshold": "100"}
+
+
+class Recorder(Observer):
+    def __init__(self):
+        self.outcomes, self.attempts, self.max_in_flight, self.cache_hits = [], [], 0, 0
+
+    def request_done(self, model, outcome, usage):
+        self.outcomes.append(outcome)
+
+    def attempt_done(self, model, latency_s, reason):
+        self.attempts.append(reason)
+
+    def in_flight(self, count):
+        self.max_in_flight = max(self.max_in_flight, count)
+
+    def cache(self, hit):
+        self.cache_hits += hit
+
+
+class Log:
+    def __init__(self):
+        self.lines = []
+
+    def info(self, m): self.lines.append(m)
+    def warn(self, m): self.lines.append(m)
+    def error(self, m): self.lines.append(m)
+
+
+def job(prompt="Describe", model="gpt-4o-mini", timeout_s=2.0, **kw):
+    return Job(("tabby, tabby cat", "tiger cat"), (0.7, 0.2), prompt, model, 0.2, 64, timeout_s, **kw)
+
+
+def run(test, latency_ms=0, key=KEY, **params):
+    """Run `test(fake, describer, observer, log)` on one loop with a fresh fake and describer."""
+    async def main():
+        fake = FakeOpenAI(port=0, latency_ms=latency_ms)
+        await fake.start()
+        settings = parse_settings(dict(FAST, base_url=fake.base_url, **params), {})
+        observer, log = Recorder(), Log()
+        describer = Describer(settings, make_client(settings, key) if key else None, Scrubber(key),
+                              observer, log)
+        try:
+            return await test(fake, describer, observer, log)
+        finally:
+            await describer.aclose()
+            await fake.stop()
+    return asyncio.run(main())
+
+
+def test_answer_usage_and_cost():
+    async def test(fake, d, obs, log):
+        r = await d.describe(job("What is it?"))
+        assert r.source == "llm" and r.outcome == "ok" and r.description.startswith("Fake answer #1")
+        assert fake.stats["last_authorization"] == f"Bearer {KEY}"
+        body = fake.stats["bodies"][-1]
+        assert body["model"] == "gpt-4o-mini" and body["max_tokens"] == 64 and body["temperature"] == 0.2
+        assert "What is it?" in body["messages"][1]["content"] and "tabby" in body["messages"][1]["content"]
+        u = r.usage
+        assert u.prompt_tokens > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        assert u.cost_usd == pytest.approx((u.prompt_tokens * 0.15 + u.completion_tokens * 0.60) / 1e6)
+        assert u.attempts == 1 and u.upstream_latency_ms > 0 and u.fallback_reason is None
+    run(test)
+
+
+def test_identical_requests_are_answered_from_the_cache_but_fallbacks_are_not_cached():
+    async def test(fake, d, obs, log):
+        first = await d.describe(job("cache me"))
+        again = await d.describe(job("cache me"))
+        assert again.description == first.description and again.outcome == "cached"
+        assert again.usage.cached and again.usage.cost_usd == 0 and fake.stats["requests"] == 1
+        other = await d.describe(job("cache me", model="gpt-4o-mini-2024-07-18"))
+        assert other.outcome == "ok" and fake.stats["requests"] == 2  # the model is part of the key
+
+        fake.set_mode("500")
+        assert (await d.describe(job("outage"))).source == "fallback"
+        fake.set_mode("ok")
+        assert (await d.describe(job("outage"))).source == "llm"  # the outage did not stick
+    run(test)
+
+
+def test_cache_can_be_turned_off():
+    async def test(fake, d, obs, log):
+        await d.describe(job("x")), await d.describe(job("x"))
+        assert fake.stats["requests"] == 2
+    run(test, cache_enabled="false")
+
+
+def test_429_is_retried_after_the_retry_after_delay():
+    async def test(fake, d, obs, log):
+        fake.set_mode("429", retry_after=0.5, count=1)
+        r = await d.describe(job())
+        assert r.source == "llm" and r.outcome == "retried" and r.usage.attempts == 2
+        first, second = fake.stats["arrivals"][-2:]
+        assert second - first >= 0.5
+    run(test)
+
+
+def test_a_retry_after_beyond_the_limit_falls_back_at_once():
+    async def test(fake, d, obs, log):
+        fake.set_mode("429", retry_after=30)
+        started = time.monotonic()
+        r = await d.describe(job())
+        assert r.usage.fallback_reason == "http_429" and r.usage.attempts == 1
+        assert time.monotonic() - started < 1
+    run(test, max_retry_after_s="5")
+
+
+@pytest.mark.parametrize("mode, reason", [("500", "http_500"), ("malformed", "malformed_response"),
+                                          ("drop", "connection_error")])
+def test_server_errors_are_retried_then_fall_back(mode, reason):
+    async def test(fake, d, obs, log):
+        fake.set_mode(mode)
+        r = await d.describe(job())
+        assert r.source == "fallback" and r.outcome == "fallback" and r.usage.fallback_reason == reason
+        assert r.usage.attempts == 3 and fake.stats["requests"] == 3
+        assert r.description.startswith("Most likely a tabby (70%)")
+        fake.set_mode(mode, count=2)
+        r = await d.describe(job("recovers"))
+        assert r.outcome == "retried" and r.usage.attempts == 3
+    run(test)
+
+
+@pytest.mark.parametrize("status", ["401"])
+def test_client_errors_are_not_retried_and_the_key_is_never_logged(status):
+    async def test(fake, d, obs, log):
+        fake.set_mode(status)
+        r = await d.describe(job())
+        assert r.usage.fallback_reason == "http_401" and r.usage.attempts == 1 and fake.stats["requests"] == 1
+        assert log.lines and "Incorrect API key" in log.lines[-1]
+        assert not any("1234567890" in line for line in log.lines)
+    run(test)
+
+
+def test_refused_connections_fall_back():
+    async def test(fake, d, obs, log):
+        await d.describe(job("warm the pool"))
+        fake.set_mode("refuse", duration_s=1.0)
+        await asyncio.sleep(0.05)
+        r = await d.describe(job("refused"))
+        assert r.usage.fallback_reason == "connection_error"
+        await asyncio.sleep(1.2)
+        assert (await d.describe(job("back"))).source == "llm"
+    run(test)
+
+
+def test_each_attempt_is_bounded_by_the_timeout():
+    async def test(fake, d, obs, log):
+        fake.set_mode("hang")
+        started = time.monotonic()
+        r = await d.describe(job(timeout_s=0.2))
+        assert r.usage.fallback_reason == "timeout" and r.usage.attempts == 3
+        assert 0.6 <= time.monotonic() - started < 1.5
+    run(test)
+
+
+def test_total_timeout_bounds_all_attempts():
+    async def test(fake, d, obs, log):
+        fake.set_mode("hang")
+        started = time.monotonic()
+        r = await d.describe(job(timeout_s=2.0))
+        assert r.usage.fallback_reason == "timeout" and time.monotonic() - started < 1.0
+    run(test, total_timeout_s="0.5")
+
+
+def test_circuit_opens_stops_calling_then_probes_and_closes():
+    async def test(fake, d, obs, log):
+        fake.set_mode("500")
+        await d.describe(job("a"))  # 3 failed attempts: the circuit opens
+        r = await d.describe(job("b"))
+        assert r.usage.fallback_reason == "circuit_open" and r.usage.attempts == 0
+        assert fake.stats["requests"] == 3
+        other = await d.describe(job("c", model="gpt-4o-mini-other"))  # one circuit per upstream model
+        assert other.usage.fallback_reason == "http_500"
+        fake.set_mode("ok")
+        await asyncio.sleep(0.35)
+        assert (await d.describe(job("d"))).source == "llm"  # the half-open probe closes it
+        assert (await d.describe(job("e"))).source == "llm"
+        assert any("is now open" in line for line in log.lines)
+    run(test, circuit_failure_threshold="3", circuit_cooldown_s="0.3", allowed_models="gpt-4o-mini*")
+
+
+def test_cancellation_stops_the_upstream_call():
+    async def test(fake, d, obs, log):
+        fake.set_mode("hang")
+        started = time.monotonic()
+        with pytest.raises(Cancelled):
+            await d.describe(job(timeout_s=2.0), is_cancelled=lambda: time.monotonic() - started > 0.2)
+        assert time.monotonic() - started < 0.5
+        await asyncio.sleep(0.1)
+        assert fake.stats["disconnected"] == 1 and fake.stats["in_flight"] == 0
+    run(test)
+
+
+def test_on_failure_error_returns_no_description():
+    async def test(fake, d, obs, log):
+        fake.set_mode("500")
+        r = await d.describe(job())
+        assert r.outcome == "error" and r.usage.fallback_reason == "http_500"
+    run(test, on_failure="error")
+
+
+def test_without_a_key_it_answers_with_the_fallback():
+    async def test(fake, d, obs, log):
+        r = await d.describe(job())
+        assert r.source == "fallback" and r.usage.fallback_reason == "no_api_key"
+        assert fake.stats["requests"] == 0
+    run(test, key=None)
+
+
+def test_the_concurrency_cap_queues_instead_of_failing():
+    async def test(fake, d, obs, log):
+        results = await asyncio.gather(*(d.describe(job(f"q{i}")) for i in range(20)))
+        assert all(r.source == "llm" for r in results)
+        assert fake.stats["max_in_flight"] == 4 and obs.max_in_flight == 4
+    run(test, latency_ms=100, max_in_flight="4")
+
+
+def test_one_describer_holds_500_calls_in_flight():
+    async def test(fake, d, obs, log):
+        started = time.monotonic()
+        results = await asyncio.gather(*(d.describe(job(f"p{i}", timeout_s=10)) for i in range(600)))
+        elapsed = time.monotonic() - started
+        assert all(r.source == "llm" for r in results)
+        assert fake.stats["max_in_flight"] >= 500, fake.stats["max_in_flight"]
+        assert elapsed < 5, elapsed  # 600 calls of 1 s each: concurrent, not serial
+    run(test, latency_ms=1000, timeout_s="10")

@@ -1,0 +1,223 @@
+"""The Triton adapter (model.py) with the fake triton_python_backend_utils:
+responses go out through the response sender, errors per request, metrics,
+the no-key warning, and an orderly finalize."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BACKEND = ROOT / "backends/openai_describe"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BACKEND))
+from tests.fake_openai import ThreadedFakeOpenAI  # noqa: E402
+
+KEY = "sk-adapter-DO-NOT-LEAK-0987654321"
+
+
+def load_model_module():
+    # A unique module name: other backends' tests import their own model.py too.
+    spec = importlib.util.spec_from_file_location("openai_describe_model", BACKEND / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_model(monkeypatch, base_url, key=KEY, **params):
+    monkeypatch.setenv("LLM_BASE_URL", base_url)
+    if key:
+        monkeypatch.setenv("LLM_API_KEY", key)
+    else:
+        monkeypatch.delenv("LLM_API_KEY", raising=False)
+    config = {"name": "describe", "parameters": {k: {"string_value": v} for k, v in params.items()}}
+    model = load_model_module().TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config), "model_name": "describe", "model_version": "1"})
+    return model
+
+
+def request(pb_utils, labels=("tabby, tabby cat", "tiger cat"), scores=(0.7, 0.2), prompt=None, parameters=None):
+    inputs = {"LABELS": np.array([[l.encode() for l in labels]], dtype=np.object_),
+              "SCORES": np.array([scores], dtype=np.float32)}
+    if prompt is not None:
+        inputs["PROMPT"] = np.array([[prompt.encode()]], dtype=np.object_)
+    return pb_utils.InferenceRequest(inputs, parameters=parameters)
+
+
+def outputs(response):
+    return {name: response.output(name)[0][0].decode() for name in ("DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")}
+
+
+def metric(pb_utils, family, **labels):
+    for m in pb_utils.MetricFamily.families[family].metrics:
+        if all(m.labels.get(k) == v for k, v in labels.items()):
+            return m.value()
+    return None
+
+
+@pytest.fixture
+def fake():
+    with ThreadedFakeOpenAI() as fake:
+        yield fake
+
+
+def test_execute_returns_none_and_answers_through_the_sender(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url)
+    try:
+        reqs = [request(pb_utils, prompt="What is it?"), request(pb_utils)]
+        assert model.execute(reqs) is None
+        first, second = (outputs(r.get_response_sender().wait()) for r in reqs)
+        assert first["DESCRIPTION_SOURCE"] == "llm" and "What is it?" in first["DESCRIPTION"]
+        assert "Describe this object in detail" in second["DESCRIPTION"]  # the default prompt
+        usage = json.loads(first["USAGE"])
+        assert usage["model"] == "gpt-4o-mini" and usage["total_tokens"] > 0 and usage["cost_usd"] > 0
+        assert all(r.get_response_sender().flags == [pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL] for r in reqs)
+        assert fake.stats()["last_authorization"] == f"Bearer {KEY}"
+        assert metric(pb_utils, "describe_requests_total", outcome="ok") == 2
+        assert metric(pb_utils, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
+        assert metric(pb_utils, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
+    finally:
+        model.finalize()
+    assert not model.thread.is_alive()
+
+
+def test_bad_requests_get_their_own_error_and_do_not_fail_the_batch(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url)
+    try:
+        good = request(pb_utils)
+        mismatched = pb_utils.InferenceRequest({"LABELS": np.array([[b"a", b"b"]], dtype=np.object_),
+                                                "SCORES": np.array([[0.5]], dtype=np.float32)})
+        not_allowed = request(pb_utils, parameters={"model": "gpt-4o"})
+        too_many_tokens = request(pb_utils, parameters={"max_tokens": 100000})
+        model.execute([good, mismatched, not_allowed, too_many_tokens])
+        assert outputs(good.get_response_sender().wait())["DESCRIPTION_SOURCE"] == "llm"
+        for bad, text in ((mismatched, "same non-empty shape"), (not_allowed, "not allowed"),
+                          (too_many_tokens, "max_tokens")):
+            response = bad.get_response_sender().wait()
+            assert response.has_error() and text in response.error().message()
+            assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    finally:
+        model.finalize()
+
+
+def test_request_parameters_override_model_temperature_and_max_tokens(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, allowed_models="gpt-4o-mini*")
+    try:
+        req = request(pb_utils, parameters={"model": "gpt-4o-mini-2024-07-18", "temperature": 0.9,
+                                            "max_tokens": 32})
+        model.execute([req])
+        assert json.loads(outputs(req.get_response_sender().wait())["USAGE"])["model"] == "gpt-4o-mini-2024-07-18"
+        body = fake.stats()["bodies"][-1]
+        assert (body["model"], body["temperature"], body["max_tokens"]) == ("gpt-4o-mini-2024-07-18", 0.9, 32)
+    finally:
+        model.finalize()
+
+
+def test_without_a_key_it_serves_fallbacks_and_says_so_once(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, key=None)
+    try:
+        reqs = [request(pb_utils) for _ in range(3)]
+        model.execute(reqs)
+        for r in reqs:
+            out = outputs(r.get_response_sender().wait())
+            assert out["DESCRIPTION_SOURCE"] == "fallback" and out["DESCRIPTION"].startswith("Most likely a tabby")
+            assert json.loads(out["USAGE"])["fallback_reason"] == "no_api_key"
+        hints = [m for _, m in pb_utils.Logger.records if "LLM_API_KEY" in m and "LLM_BASE_URL" in m]
+        assert len(hints) == 1 and "API_KEY_REQUIRED=false" in hints[0]
+        assert fake.stats()["requests"] == 0
+    finally:
+        model.finalize()
+
+
+def test_a_local_endpoint_needs_no_key(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, key=None, api_key_required="false")
+    try:
+        req = request(pb_utils)
+        model.execute([req])
+        assert outputs(req.get_response_sender().wait())["DESCRIPTION_SOURCE"] == "llm"
+    finally:
+        model.finalize()
+
+
+def test_on_failure_error_sends_unavailable(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, on_failure="error", backoff_base_s="0.01")
+    try:
+        fake.set_mode("500")
+        req = request(pb_utils)
+        model.execute([req])
+        response = req.get_response_sender().wait()
+        assert response.error().code() == pb_utils.TritonError.UNAVAILABLE
+        assert "http_500" in response.error().message()
+    finally:
+        fake.set_mode("ok")
+        model.finalize()
+
+
+def test_cancelled_requests_get_a_cancelled_error(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, cancel_poll_s="0.05")
+    try:
+        fake.set_mode("hang")
+        req = request(pb_utils)
+        model.execute([req])
+        threading.Timer(0.2, lambda: setattr(req, "cancelled", True)).start()
+        response = req.get_response_sender().wait(timeout=3)
+        assert response.error().code() == pb_utils.TritonError.CANCELLED
+        assert metric(pb_utils, "describe_requests_total", outcome="cancelled") >= 1
+    finally:
+        fake.set_mode("ok")
+        model.finalize()
+
+
+def test_the_key_never_reaches_logs_or_outputs(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url)
+    try:
+        fake.set_mode("401")  # the fake echoes the key it was given, as real providers do
+        req = request(pb_utils)
+        model.execute([req])
+        out = outputs(req.get_response_sender().wait())
+        assert json.loads(out["USAGE"])["fallback_reason"] == "http_401"
+        assert any("Incorrect API key" in m for _, m in pb_utils.Logger.records)
+        everything = json.dumps(out) + json.dumps(pb_utils.Logger.records)
+        assert "0987654321" not in everything
+    finally:
+        fake.set_mode("ok")
+        model.finalize()
+
+
+def test_finalize_drains_in_flight_requests(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url)
+    fake.set_mode("ok", latency_ms=300)
+    try:
+        reqs = [request(pb_utils, prompt=f"drain {i}") for i in range(5)]
+        model.execute(reqs)
+    finally:
+        model.finalize()
+        fake.set_mode("ok", latency_ms=0)
+    # Every request was answered before finalize returned, and the loop thread is gone.
+    assert all(outputs(r.get_response_sender().wait(0))["DESCRIPTION_SOURCE"] == "llm" for r in reqs)
+    assert not model.thread.is_alive()
+    late = request(pb_utils)
+    model.closing = True
+    model.execute([late])
+    assert late.get_response_sender().wait(0).error().code() == pb_utils.TritonError.UNAVAILABLE
+
+
+def test_a_decoupled_config_is_refused_at_load(fake_pb_utils_module, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    config = {"name": "describe", "model_transaction_policy": {"decoupled": True}}
+    with pytest.raises(pb_utils.TritonModelException, match="non-decoupled"):
+        load_model_module().TritonPythonModel().initialize(
+            {"model_config": json.dumps(config), "model_name": "describe", "model_version": "1"})

@@ -1,0 +1,79 @@
+"""Settings parsing, per-request overrides and where the API key comes from."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "backends/openai_describe"))
+from settings import SettingsError, parse_settings  # noqa: E402
+
+
+def test_defaults_point_at_openai():
+    s = parse_settings({}, {})
+    assert s.base_url == "https://api.openai.com/v1" and s.model == "gpt-4o-mini"
+    assert s.cache_enabled and s.on_failure == "fallback" and s.max_in_flight >= 500
+
+
+def test_config_values_are_typed():
+    s = parse_settings({"max_tokens": "64", "temperature": "0.7", "api_key_required": "false",
+                        "allowed_models": "gpt-4o*, claude-*", "model_prices": '{"gpt-4o": [2.5, 10]}'}, {})
+    assert s.max_tokens == 64 and s.temperature == 0.7 and s.api_key_required is False
+    assert s.allowed_models == ("gpt-4o*", "claude-*")
+    assert s.prices_for("gpt-4o") == (2.5, 10.0) and s.prices_for("other") == (0.15, 0.60)
+
+
+def test_environment_overrides_config_with_the_prefix():
+    env = {"LLM_BASE_URL": "http://127.0.0.1:1/v1", "LLM_MODEL": "m", "LLM_TIMEOUT_S": "2"}
+    s = parse_settings({"base_url": "https://x/v1", "model": "gpt-4o-mini"}, env)
+    assert (s.base_url, s.model, s.timeout_s) == ("http://127.0.0.1:1/v1", "m", 2.0)
+    assert set(s.from_env) == {"base_url", "model", "timeout_s"}
+    s = parse_settings({"env_prefix": "DESCRIBE_"}, dict(env, DESCRIBE_MODEL="x"))
+    assert s.model == "x" and s.base_url == "https://api.openai.com/v1"
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"api_key": "sk-123"}, "never put the key in config"),
+    ({"bogus": "1"}, "unknown config parameter"),
+    ({"max_tokens": "many"}, "'max_tokens'='many' is invalid"),
+    ({"on_failure": "explode"}, "on_failure must be one of"),
+    ({"prompt_template": "{prompt} {image}"}, "unknown placeholder(s) ['image']"),
+    ({"base_url": "api.openai.com"}, "base_url must start with http"),
+    ({"temperature": "3"}, "temperature must be in"),
+])
+def test_mistakes_fail_at_load_with_what_to_fix(params, fragment):
+    with pytest.raises(SettingsError, match=None) as info:
+        parse_settings(params, {})
+    assert fragment in str(info.value)
+
+
+def test_a_bad_environment_value_names_the_variable():
+    with pytest.raises(SettingsError, match="environment variable LLM_MAX_ATTEMPTS"):
+        parse_settings({}, {"LLM_MAX_ATTEMPTS": "three"})
+
+
+def test_request_overrides_stay_within_config_limits():
+    s = parse_settings({"allowed_models": "gpt-4o-mini*", "max_tokens_limit": "512"}, {})
+    assert s.resolve_overrides({}) == ("gpt-4o-mini", 0.2, 256, 15.0)
+    assert s.resolve_overrides({"model": "gpt-4o-mini-2024-07-18", "temperature": "0.5",
+                                "max_tokens": 100, "timeout_s": 2, "other_step": "x"}) == \
+        ("gpt-4o-mini-2024-07-18", 0.5, 100, 2.0)
+    for bad in ({"model": "gpt-4o"}, {"temperature": 1.5}, {"max_tokens": 513}, {"max_tokens": 2.5},
+                {"timeout_s": 60}, {"temperature": "hot"}, {"max_tokens": True}):
+        with pytest.raises(SettingsError):
+            s.resolve_overrides(bad)
+
+
+def test_api_key_from_env_var_or_file(tmp_path):
+    s = parse_settings({}, {})
+    assert s.load_api_key({"LLM_API_KEY": " sk-abc \n"}) == ("sk-abc", "environment variable LLM_API_KEY")
+    assert s.load_api_key({})[0] is None
+    custom = parse_settings({"api_key_env": "DEEPSEEK_API_KEY"}, {})
+    assert custom.load_api_key({"DEEPSEEK_API_KEY": "k"})[0] == "k"
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    from_file = parse_settings({}, {"LLM_API_KEY_FILE": str(key_file)})
+    assert from_file.load_api_key({"LLM_API_KEY": "ignored"}) == ("sk-from-file", f"file {key_file}")
+    missing = parse_settings({"api_key_file": str(tmp_path / "absent")}, {})
+    key, where = missing.load_api_key({})
+    assert key is None and "absent" in where
