@@ -103,3 +103,10 @@ docker-run:
 
 clean:
 	rm -rf $(BUILD) $(CLASSIFIER_FILE)
+
+# Scaling rehearsal (docs/scaling.md): two native replicas behind nginx on
+# loopback, one stopped with SIGTERM and restarted under load; stops by itself
+# and fails unless every request was answered. Longer: REHEARSE_ARGS="--failover-s 300".
+.PHONY: rehearse
+rehearse: build
+	$(PY) scripts/rehearse_scaling.py $(REHEARSE_ARGS)

@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""Rehearse the Kubernetes setup on one machine: two replicas behind a load balancer,
+one stopped and restarted under load, every request answered.
+
+    make rehearse                       (or: .venv/bin/python scripts/rehearse_scaling.py)
+    make rehearse REHEARSE_ARGS="--failover-s 300 --capacity-s 60"     (longer)
+
+What it does, all on 127.0.0.1, all stopped by this script (by PID) at the end:
+  1. starts the fake OpenAI-compatible upstream (tests/fake_openai) with a fixed
+     latency, and two replicas with scripts/serve.sh on free ports, LLM_BASE_URL
+     pointing at the fake;
+  2. capacity: a closed loop of --concurrency requests straight at replica A for
+     --capacity-s seconds -> per-replica throughput and latency;
+  3. failover: an open loop at --rate requests/s (default: half of that capacity,
+     what one replica must carry while the other restarts) through nginx, a real
+     load balancer with a generated config (Debian's nginx; unpacked into
+     build/nginx when it is not installed, so no system service is started);
+     after --stop-after-s it sends SIGTERM to replica A's PID, waits for it to
+     exit, starts it again and waits until it is ready, while the load goes on;
+  4. reports requests sent, answered and failed (expected 0), nginx retries,
+     latency before / during / after the restart, and the LLM calls made.
+Exit status: 0 when every request was answered, 1 otherwise.
+
+Every request carries a different photo variant and prompt, so no cache
+(Triton's response cache, the describe step's own) turns the load into lookups.
+"""
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from classify_describe.client import AsyncClient, TritonRequestError  # noqa: E402
+
+FAKE_KEY = "sk-rehearsal-not-a-real-key"
+READY_TIMEOUT_S = 300
+
+
+# -- processes -------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log(message):
+    print(f"rehearse: {message}", flush=True)
+
+
+class Started:
+    """The processes this script started; stop() ends each by its own PID."""
+
+    def __init__(self):
+        self.processes = []
+
+    def start(self, name, argv, log_path, **kwargs):
+        with open(log_path, "ab") as out:
+            process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+        self.processes.append((name, process))
+        return process
+
+    @staticmethod
+    def stop(process, grace_s=60):
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(10)
+        return process.returncode
+
+    def stop_all(self):
+        for _, process in reversed(self.processes):
+            self.stop(process)
+
+
+def http_status(url, timeout=2):
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
+
+
+def wait_ready(port, process, log_path, timeout_s=READY_TIMEOUT_S):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"rehearse: replica on {port} exited with {process.returncode}; "
+                             f"see {log_path}")
+        if http_status(f"http://127.0.0.1:{port}/v2/health/ready") == 200:
+            return
+        time.sleep(0.25)
+    raise SystemExit(f"rehearse: replica on {port} not ready after {timeout_s}s; see {log_path}")
+
+
+class Replica:
+    def __init__(self, name, started, workdir, llm_url, env_extra):
+        self.name = name
+        self.started = started
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.log_path = workdir / f"replica-{name}.log"
+        self.env = dict(os.environ, HTTP_PORT=str(self.http), GRPC_PORT=str(self.grpc),
+                        METRICS_PORT=str(self.metrics), LLM_BASE_URL=llm_url,
+                        LLM_API_KEY=FAKE_KEY, **env_extra)
+        self.process = None
+
+    def start(self):
+        self.process = self.started.start(f"replica {self.name}", [str(REPO / "scripts/serve.sh")],
+                                          self.log_path, cwd=REPO, env=self.env)
+
+    def wait_ready(self):
+        wait_ready(self.http, self.process, self.log_path)
+
+    def terminate(self):
+        """SIGTERM to this replica's PID (serve.sh passes it to its tritonserver)."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(120)
+
+
+# -- nginx -------------------------------------------------------------------------
+
+def find_or_unpack_nginx():
+    """Debian's nginx: the installed one, else the package unpacked into build/nginx.
+    `dpkg -x` runs no maintainer script, so no system service is started (an
+    `apt-get install` would start one on port 80)."""
+    for candidate in (shutil.which("nginx"), "/usr/sbin/nginx", REPO / "build/nginx/usr/sbin/nginx"):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    target = REPO / "build/nginx"
+    debs = target / "deb"
+    debs.mkdir(parents=True, exist_ok=True)
+    log("nginx not found; fetching Debian's package into build/nginx (apt-get download + dpkg -x)")
+    fetch = subprocess.run(["apt-get", "download", "nginx"], cwd=debs, capture_output=True, text=True)
+    if fetch.returncode != 0:
+        raise SystemExit("rehearse: could not fetch nginx; install it (apt-get install -y nginx, "
+                         f"then stop the service it starts) or run apt-get update:\n{fetch.stderr}")
+    deb = sorted(debs.glob("nginx_*.deb"))[-1]
+    subprocess.run(["dpkg", "-x", str(deb), str(target)], check=True)
+    return str(target / "usr/sbin/nginx")
+
+
+NGINX_CONF = """\
+# Generated by scripts/rehearse_scaling.py; loopback only, foreground, temp files here.
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    log_format rehearse '$msec $status $request_time "$upstream_addr" "$upstream_status"';
+    access_log {dir}/nginx-access.log rehearse;
+    client_max_body_size 16m;
+    client_body_buffer_size 1m;
+    client_body_temp_path {dir}/tmp/body;
+    proxy_temp_path {dir}/tmp/proxy;
+    fastcgi_temp_path {dir}/tmp/fastcgi;
+    uwsgi_temp_path {dir}/tmp/uwsgi;
+    scgi_temp_path {dir}/tmp/scgi;
+
+    upstream triton {{
+        # Passive health check: one failed attempt takes a replica out for 2 s,
+        # then one request probes it again.
+        server 127.0.0.1:{a} max_fails=1 fail_timeout=2s;
+        server 127.0.0.1:{b} max_fails=1 fail_timeout=2s;
+        keepalive 32;
+        # Triton waits, up to --exit-timeout-secs, for open HTTP connections to
+        # close, idle keep-alive ones included: drop idle ones soon so a
+        # stopping replica is not held for the whole timeout.
+        keepalive_timeout 4s;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://triton;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            # A stopping Triton resets new requests (on new and kept-alive
+            # connections) while it finishes the ones in flight: try the other
+            # replica. non_idempotent: POST /infer may be resent; inference is
+            # idempotent here (it may cost one extra LLM call).
+            proxy_next_upstream error timeout http_502 http_503 http_504 non_idempotent;
+            proxy_next_upstream_tries 2;
+            proxy_connect_timeout 1s;
+            proxy_read_timeout 60s;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(started, workdir, upstream_ports):
+    binary = find_or_unpack_nginx()
+    for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (workdir / "tmp" / name).mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:  # workers drop to nobody: let them write their temp files
+        os.chmod(workdir, 0o755)
+        for path in (workdir / "tmp").rglob("*"):
+            os.chmod(path, 0o777)
+    port = free_port()
+    conf = workdir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=workdir, a=upstream_ports[0], b=upstream_ports[1], port=port))
+    check = subprocess.run([binary, "-t", "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "nginx-error.log")],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise SystemExit(f"rehearse: nginx rejected its config:\n{check.stderr}")
+    process = started.start("nginx", [binary, "-p", str(workdir), "-c", str(conf),
+                                      "-e", str(workdir / "nginx-error.log")],
+                            workdir / "nginx.out")
+    deadline = time.monotonic() + 10
+    while http_status(f"http://127.0.0.1:{port}/v2/health/live") != 200:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"rehearse: nginx did not come up; see {workdir}/nginx-error.log")
+        time.sleep(0.1)
+    return port, process
+
+
+# -- load --------------------------------------------------------------------------
+
+def photo_variants(count):
+    """Distinct JPEGs (shifted crops, varying quality) of the scikit-image photos."""
+    import skimage.data
+    from PIL import Image
+
+    data_dir = pathlib.Path(skimage.data.__file__).parent
+    photos = [Image.open(data_dir / f"{name}.png").convert("RGB") for name in ("chelsea", "coffee")]
+    variants = []
+    for index in range(count):
+        photo = photos[index % 2]
+        dx, dy = (index // 2) % 13, (index // 26) % 13
+        crop = photo.crop((dx, dy, photo.width - 12 + dx, photo.height - 12 + dy))
+        buffer = io.BytesIO()
+        crop.save(buffer, format="JPEG", quality=80 + (index // 338) % 16)
+        variants.append(buffer.getvalue())
+    return variants
+
+
+class Tally:
+    def __init__(self):
+        self.sent = 0
+        self.answered = 0
+        self.failures = {}
+        self.sources = {}
+        self.records = []  # (start time, latency ms, ok)
+
+    def add(self, started_at, latency_ms, result=None, error=None):
+        self.sent += 1
+        if error is None:
+            self.answered += 1
+            self.sources[result.description_source] = self.sources.get(result.description_source, 0) + 1
+        else:
+            kind = f"{type(error).__name__}: {str(error)[:120]}"
+            self.failures[kind] = self.failures.get(kind, 0) + 1
+        self.records.append((started_at, latency_ms, error is None))
+
+    @property
+    def failed(self):
+        return sum(self.failures.values())
+
+
+def percentiles(values):
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pick(q):
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+    return {"n": len(ordered), "p50_ms": pick(0.50), "p95_ms": pick(0.95), "p99_ms": pick(0.99),
+            "max_ms": round(ordered[-1], 1), "mean_ms": round(statistics.fmean(ordered), 1)}
+
+
+async def one_request(client, tally, image, prompt):
+    started_at = time.monotonic()
+    try:
+        result = await client.infer(image, prompt=prompt)
+    except Exception as error:  # noqa: BLE001 - every failure counts, whatever its kind
+        tally.add(started_at, (time.monotonic() - started_at) * 1e3, error=error)
+        return
+    tally.add(started_at, result.latency_ms, result=result)
+
+
+async def closed_loop(url, images, concurrency, seconds, tag):
+    """`concurrency` workers, each sending its next request when the last is answered."""
+    tally = Tally()
+    deadline = time.monotonic() + seconds
+    counter = iter(range(10**9))
+    async with AsyncClient(url, concurrency=concurrency, timeout_s=120) as client:
+        async def worker():
+            while time.monotonic() < deadline:
+                index = next(counter)
+                await one_request(client, tally, images[index % len(images)], f"{tag} request {index}: describe it")
+
+        started = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.monotonic() - started
+    return tally, elapsed
+
+
+async def open_loop(url, images, rate, seconds, max_in_flight, tag, during=None):
+    """Requests start on a fixed schedule (rate/s), whether or not earlier ones are done:
+    a restart shows up as latency and failures, not as a slower sender."""
+    tally = Tally()
+    total = int(rate * seconds)
+    async with AsyncClient(url, concurrency=max_in_flight, timeout_s=120) as client:
+        side_task = asyncio.ensure_future(during()) if during else None
+        started = time.monotonic()
+        tasks = []
+        for index in range(total):
+            delay = started + index / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.ensure_future(one_request(
+                client, tally, images[index % len(images)], f"{tag} request {index}: describe it")))
+        await asyncio.gather(*tasks)
+        side = await side_task if side_task else None
+    return tally, started, side
+
+
+# -- the rehearsal -----------------------------------------------------------------
+
+def metric_sum(port, name, model):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    prefix = f'{name}{{model="{model}",'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def nginx_retries(access_log):
+    retried = 0
+    lines = access_log.read_text().splitlines() if access_log.exists() else []
+    for line in lines:
+        upstreams = line.split('"')[1]
+        retried += "," in upstreams
+    return len(lines), retried
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--capacity-s", type=float, default=10,
+                        help="closed-loop measurement on one replica, per concurrency level")
+    parser.add_argument("--concurrency", default="8,16",
+                        help="closed-loop requests in flight, comma-separated levels (throughput that stops "
+                             "growing with concurrency is the replica's capacity)")
+    parser.add_argument("--failover-s", type=float, default=50, help="open-loop load through nginx")
+    parser.add_argument("--stop-after-s", type=float, default=8, help="SIGTERM replica A this far into the failover load")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="failover load in requests/s (default: half the measured per-replica throughput)")
+    parser.add_argument("--llm-latency-ms", type=float, default=300, help="the fake LLM's answer time")
+    parser.add_argument("--max-in-flight", type=int, default=64, help="client cap on open-loop requests in flight")
+    parser.add_argument("--result-json", type=pathlib.Path, default=REPO / "build/rehearsal/result.json")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir with all logs")
+    args = parser.parse_args()
+
+    for needed in (".venv/bin/python", "build/backends/python", "model_repository/classifier/1/model.pt"):
+        if not (REPO / needed).exists():
+            raise SystemExit(f"rehearse: {needed} is missing; run `make build` first")
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="rehearse-"))
+    started = Started()
+    report = {"host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
+              "settings": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
+    ok = False
+    try:
+        llm_port = free_port()
+        llm = started.start("fake LLM", [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
+                                         "--port", str(llm_port), "--latency-ms", str(args.llm_latency_ms)],
+                            workdir / "fake-llm.log", cwd=REPO)
+        llm_url = f"http://127.0.0.1:{llm_port}/v1"
+        # The describe step's settings as the ConfigMap sets them (deploy/base/configmap-llm.yaml).
+        env_extra = {"LLM_TIMEOUT_S": "15", "LLM_TOTAL_TIMEOUT_S": "25", "LLM_MAX_ATTEMPTS": "2"}
+        replicas = [Replica(name, started, workdir, llm_url, env_extra) for name in ("a", "b")]
+        boot = time.monotonic()
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.wait_ready()
+        report["startup_to_ready_s"] = round(time.monotonic() - boot, 1)
+        log(f"replicas ready in {report['startup_to_ready_s']} s: A http {replicas[0].http}, "
+            f"B http {replicas[1].http}; fake LLM {llm_url} ({args.llm_latency_ms:.0f} ms); logs in {workdir}")
+
+        images = photo_variants(2000)
+
+        # Capacity of one replica, straight at A (B idles: on this host they share the CPUs).
+        url_a = f"127.0.0.1:{replicas[0].http}"
+        levels = [int(level) for level in args.concurrency.split(",")]
+        asyncio.run(closed_loop(url_a, images, levels[0], 3, "warmup"))
+        report["capacity_one_replica"] = []
+        for level in levels:
+            queue_before = metric_sum(replicas[0].metrics, "nv_inference_queue_duration_us", "classifier")
+            tally, elapsed = asyncio.run(closed_loop(url_a, images, level, args.capacity_s, f"capacity{level}"))
+            queue_after = metric_sum(replicas[0].metrics, "nv_inference_queue_duration_us", "classifier")
+            point = {
+                "concurrency": level, "seconds": round(elapsed, 1), "sent": tally.sent,
+                "answered": tally.answered, "failed": tally.failed,
+                "throughput_rps": round(tally.answered / elapsed, 2),
+                "latency": percentiles([r[1] for r in tally.records if r[2]]),
+                "classifier_queue_ms_per_request": round(
+                    (queue_after - queue_before) / 1e3 / max(tally.answered, 1), 1),
+            }
+            report["capacity_one_replica"].append(point)
+            log(f"one replica, closed loop x{level}: {point['throughput_rps']} req/s, latency {point['latency']}, "
+                f"classifier queue {point['classifier_queue_ms_per_request']} ms/request")
+            if tally.failed:
+                log(f"capacity phase failures: {tally.failures}")
+        throughput = max(point["throughput_rps"] for point in report["capacity_one_replica"])
+
+        # Failover under load, through nginx.
+        nginx_port, _ = start_nginx(started, workdir, [r.http for r in replicas])
+        rate = args.rate or max(1.0, round(throughput / 2, 1))
+        timeline = {}
+
+        async def stop_and_restart_a():
+            await asyncio.sleep(args.stop_after_s)
+            replica = replicas[0]
+            timeline["sigterm_s"] = round(time.monotonic() - load_start[0], 1)
+            log(f"SIGTERM to replica A (pid {replica.process.pid})")
+            status = await asyncio.to_thread(replica.terminate)
+            timeline["exited_s"] = round(time.monotonic() - load_start[0], 1)
+            timeline["exit_status"] = status
+            timeline["stop_took_s"] = round(timeline["exited_s"] - timeline["sigterm_s"], 1)
+            log(f"replica A exited with {status}; starting it again")
+            replica.start()
+            await asyncio.to_thread(replica.wait_ready)
+            timeline["ready_again_s"] = round(time.monotonic() - load_start[0], 1)
+            log("replica A ready again")
+
+        load_start = [time.monotonic()]
+        log(f"failover: {rate} req/s for {args.failover_s:.0f} s through nginx on 127.0.0.1:{nginx_port}")
+        tally, t0, _ = asyncio.run(open_loop(f"127.0.0.1:{nginx_port}", images, rate, args.failover_s,
+                                             args.max_in_flight, "failover", during=stop_and_restart_a))
+        stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{llm_port}/_admin/stats", timeout=5))
+        nginx_requests, retried = nginx_retries(workdir / "nginx-access.log")
+
+        def window(lo, hi):
+            return percentiles([lat for at, lat, good in tally.records if good and lo <= at - t0 < hi])
+
+        stop_at, ready_at = timeline.get("sigterm_s", 0), timeline.get("ready_again_s", args.failover_s)
+        report["failover"] = {
+            "rate_rps": rate, "seconds": args.failover_s, "sent": tally.sent, "answered": tally.answered,
+            "failed": tally.failed, "failures": tally.failures, "description_source": tally.sources,
+            "timeline_s": timeline, "nginx_requests": nginx_requests, "nginx_retried_on_other_replica": retried,
+            "latency_before_stop": window(0, stop_at),
+            "latency_one_replica_down": window(stop_at, ready_at),
+            "latency_after_restart": window(ready_at, 10**9),
+            "llm_calls": stats.get("requests"), "llm_max_in_flight": stats.get("max_in_flight"),
+        }
+        ok = tally.failed == 0 and tally.sent == tally.answered and "ready_again_s" in timeline
+    finally:
+        started.stop_all()
+        report["ok"] = ok
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(json.dumps(report, indent=2) + "\n")
+        if args.keep_logs or not ok:
+            log(f"logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    print(json.dumps(report, indent=2))
+    if "failover" not in report:
+        return 1
+    failover = report["failover"]
+    print(f"\nrehearse: requests sent {failover['sent']}, answered {failover['answered']}, "
+          f"failed {failover['failed']} (expected 0); nginx resent {failover['nginx_retried_on_other_replica']} "
+          f"to the other replica; per-replica throughput {throughput:.1f} req/s "
+          f"-> {args.result_json.relative_to(REPO) if args.result_json.is_relative_to(REPO) else args.result_json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
