@@ -2,6 +2,7 @@
 model_repository/, started by the same scripts/serve.sh users run; its LLM
 step points at the fake OpenAI-compatible upstream in tests/fake_openai."""
 
+import contextlib
 import json
 import os
 import pathlib
@@ -124,22 +125,22 @@ def fake_llm(tmp_path_factory):
         stop_process(process, grace_s=10)
 
 
-@pytest.fixture(scope="session")
-def triton(fake_llm, tmp_path_factory):
-    """The server, on a copy of the committed model_repository/ (built by
-    `make build`), so tests may add a model version without touching the tree."""
+@contextlib.contextmanager
+def running_triton(workdir, fake_llm, extra_env=None, command_prefix=()):
+    """Start scripts/serve.sh on free ports and a copy of the committed
+    model_repository/ (built by `make build`), so tests may add a model
+    version without touching the tree; stop it by its PID afterwards."""
     http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    workdir = tmp_path_factory.mktemp("triton")
     log_path = workdir / "tritonserver.log"
     repository = workdir / "model_repository"
     shutil.copytree(REPO / "model_repository", repository)
     env = dict(os.environ,
                HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
                MODEL_REPOSITORY=str(repository),
-               LLM_BASE_URL=fake_llm.base_url, LLM_API_KEY=TEST_API_KEY)
+               LLM_BASE_URL=fake_llm.base_url, LLM_API_KEY=TEST_API_KEY, **(extra_env or {}))
     with open(log_path, "w") as log:
-        process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*command_prefix, str(REPO / "scripts/serve.sh")], cwd=REPO,
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
     server = TritonServer(repository, f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}",
                           f"127.0.0.1:{metrics_port}", log_path, process)
     try:
@@ -155,6 +156,13 @@ def triton(fake_llm, tmp_path_factory):
     finally:
         stop_process(process)
         print(f"\ntritonserver log: {log_path}")
+
+
+@pytest.fixture(scope="session")
+def triton(fake_llm, tmp_path_factory):
+    """The one server of the session, as `make run` starts it."""
+    with running_triton(tmp_path_factory.mktemp("triton"), fake_llm) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,74 @@
+"""The failures Triton users hit, each reproduced as docs/troubleshooting.md
+describes it, with the fix checked where the fix is ours to make."""
+
+import uuid
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from tests.integration.conftest import running_triton
+
+# Enough /dev/shm for the stubs and single requests, too little for a batch of
+# 8 decoded images (8 x 3x224x224 FP32 = 4.8 MB through the Python backend's
+# shared-memory pool): the situation of a container started with a small
+# --shm-size (Docker's default is 64 MB).
+SMALL_SHM = "12m"
+
+
+def classify(client, images):
+    tensor = httpclient.InferInput("IMAGE", [len(images), 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[image] for image in images], dtype=object))
+    return client.infer("classify", [tensor]).as_numpy("LABELS")[:, 0]
+
+
+@pytest.fixture(scope="module")
+def small_shm_triton(fake_llm, tmp_path_factory):
+    """A second server whose /dev/shm is a 12 MB tmpfs in its own mount namespace."""
+    mount_small_shm = ["unshare", "--mount", "sh", "-c",
+                       f'mount -t tmpfs -o size={SMALL_SHM} tmpfs /dev/shm && exec "$0"']
+    with running_triton(tmp_path_factory.mktemp("small_shm"), fake_llm,
+                        command_prefix=mount_small_shm) as server:
+        yield server
+
+
+def test_out_of_shared_memory_fails_the_batch_not_the_server(small_shm_triton, photos):
+    client = httpclient.InferenceServerClient(small_shm_triton.http_url)
+    assert list(classify(client, [photos["coffee"]])) == [b"espresso"]
+
+    with pytest.raises(httpclient.InferenceServerException) as error:
+        classify(client, [photos["coffee"]] * 8)
+    message = error.value.message()
+    assert "Failed to increase the shared memory pool size" in message
+    assert "--shm-size" in message
+
+    assert small_shm_triton.is_ready()
+    assert list(classify(client, [photos["coffee"]] * 2)) == [b"espresso"] * 2
+
+
+def test_batch_above_max_batch_size_is_refused_up_front(triton, photos):
+    client = httpclient.InferenceServerClient(triton.http_url)
+    with pytest.raises(httpclient.InferenceServerException) as error:
+        classify(client, [photos["coffee"]] * 9)
+    assert "batch-size must be <= 8" in error.value.message()
+    assert triton.is_ready()
+
+
+def test_http_network_timeout_shorter_than_the_llm(triton, photos, llm):
+    llm.admin("mode", {"mode": "ok", "latency_ms": 3000})
+    client = httpclient.InferenceServerClient(triton.http_url, network_timeout=0.5)
+    image = httpclient.InferInput("IMAGE", [1, 1], "BYTES")
+    image.set_data_from_numpy(np.array([[photos["chelsea"]]], dtype=object))
+    prompt = httpclient.InferInput("PROMPT", [1, 1], "BYTES")
+    prompt.set_data_from_numpy(np.array([[f"slow {uuid.uuid4()}".encode()]], dtype=object))
+    with pytest.raises(Exception) as error:
+        client.infer("classify_and_describe", [image, prompt])
+    assert "timed out" in str(error.value).lower() or "timeout" in type(error.value).__name__.lower()
+    assert triton.is_ready()
+
+
+def test_unknown_model_names_the_model(triton):
+    client = httpclient.InferenceServerClient(triton.http_url)
+    with pytest.raises(httpclient.InferenceServerException) as error:
+        client.infer("clasify_and_describe", [])
+    assert "clasify_and_describe" in error.value.message()
