@@ -1,0 +1,325 @@
+"""The describe model on the real tritonserver (one per session, see
+conftest.py), calling the fake OpenAI-compatible upstream over real HTTP.
+
+Isolation inside the shared server: every test uses its own PROMPT (no
+answers from the in-model cache of another test), tests that inject failures
+use their own upstream model name (`gpt-4o-mini-it-*`, allowed by the
+committed `allowed_models`), so each has its own circuit breaker, and an
+autouse fixture puts the fake back to "ok" after each test.
+"""
+
+import asyncio
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+
+import aiohttp
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODEL = "describe"
+LABELS = ("tabby, tabby cat", "tiger cat", "Egyptian cat")
+SCORES = (0.62, 0.21, 0.09)
+
+
+@pytest.fixture(autouse=True)
+def restore_fake(fake_llm):
+    yield
+    deadline = time.monotonic() + 10  # a "refuse" test may leave the fake not listening for a moment
+    while True:
+        try:
+            fake_llm.admin("mode", {"mode": "ok", "latency_ms": 0})
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def client(triton):
+    return httpclient.InferenceServerClient(triton.http_url, network_timeout=120, connection_timeout=120)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def unique(text="Describe"):
+    return f"{text} [{uuid.uuid4().hex[:8]}]"
+
+
+def inputs(prompt=None, module=httpclient):
+    tensors = [module.InferInput("LABELS", [1, len(LABELS)], "BYTES"),
+               module.InferInput("SCORES", [1, len(SCORES)], "FP32")]
+    tensors[0].set_data_from_numpy(np.array([[x.encode() for x in LABELS]], dtype=np.object_))
+    tensors[1].set_data_from_numpy(np.array([SCORES], dtype=np.float32))
+    if prompt is not None:
+        tensors.append(module.InferInput("PROMPT", [1, 1], "BYTES"))
+        tensors[2].set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
+    return tensors
+
+
+def describe(client, prompt=None, **parameters):
+    result = client.infer(MODEL, inputs(prompt), parameters=parameters or None)
+    text, source, usage = (result.as_numpy(n)[0][0].decode() for n in ("DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"))
+    return text, source, json.loads(usage)
+
+
+def metric_value(triton, name, **labels):
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in triton.metrics().splitlines():
+        match = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
+        if not match or match.group(1) != name:
+            continue
+        sample = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+        if sample.get("model") in (None, MODEL) and all(sample.get(k) == v for k, v in labels.items()):
+            total, found = total + float(match.group(3)), True
+    return total if found else None
+
+
+def stats(fake_llm):
+    return fake_llm.admin("stats")
+
+
+def test_answer_from_the_llm_with_usage_and_cost(client, fake_llm):
+    prompt = unique("What is this animal?")
+    text, source, usage = describe(client, prompt)
+    assert source == "llm" and text.startswith("Fake answer") and prompt in text
+    assert usage["model"] == "gpt-4o-mini" and usage["attempts"] == 1 and usage["fallback_reason"] is None
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    assert usage["cost_usd"] == pytest.approx((usage["prompt_tokens"] * 0.15 + usage["completion_tokens"] * 0.60) / 1e6)
+    seen = stats(fake_llm)
+    assert seen["last_authorization"].startswith("Bearer sk-")
+    body = seen["bodies"][-1]
+    assert body["model"] == "gpt-4o-mini" and body["max_tokens"] == 256
+    assert "tabby, tabby cat (62.0%)" in body["messages"][1]["content"]
+
+
+def test_the_prompt_is_optional(client):
+    text, source, _ = describe(client, prompt=None)
+    assert source in ("llm",) and "Describe this object in detail" in text
+
+
+def test_identical_requests_are_answered_by_the_in_model_cache(client, fake_llm, triton):
+    prompt = unique("cache")
+    hits_before = metric_value(triton, "describe_cache_lookups_total", result="hit") or 0
+    first = describe(client, prompt)
+    requests_after_first = stats(fake_llm)["requests"]
+    second = describe(client, prompt)
+    assert second[0] == first[0] and second[1] == "llm"
+    assert second[2]["cached"] is True and second[2]["cost_usd"] == 0
+    assert stats(fake_llm)["requests"] == requests_after_first  # no new upstream call
+    assert metric_value(triton, "describe_cache_lookups_total", result="hit") == hits_before + 1
+    # Triton's response cache is deliberately off for this model (it would keep fallbacks).
+    assert not metric_value(triton, "nv_cache_num_hits_per_model")
+
+
+def test_a_fallback_is_not_cached(client, fake_llm):
+    prompt = unique("outage")
+    fake_llm.admin("mode", {"mode": "500"})
+    assert describe(client, prompt, model="gpt-4o-mini-it-nocache")[1] == "fallback"
+    fake_llm.admin("mode", {"mode": "ok"})
+    assert describe(client, prompt, model="gpt-4o-mini-it-nocache")[1] == "llm"
+
+
+def test_request_parameters_override_within_limits(client, fake_llm):
+    _, source, usage = describe(client, unique(), model="gpt-4o-mini-2024-07-18", temperature=0.7, max_tokens=40)
+    body = stats(fake_llm)["bodies"][-1]
+    assert source == "llm" and usage["model"] == "gpt-4o-mini-2024-07-18"
+    assert (body["model"], body["temperature"], body["max_tokens"]) == ("gpt-4o-mini-2024-07-18", 0.7, 40)
+    for bad in ({"model": "gpt-4o"}, {"max_tokens": 5000}, {"temperature": 1.5}):
+        with pytest.raises(InferenceServerException, match="allowed|max_tokens|temperature"):
+            describe(client, unique(), **bad)
+
+
+def test_429_is_retried_after_retry_after(client, fake_llm, triton):
+    retried_before = metric_value(triton, "describe_requests_total", outcome="retried")
+    fake_llm.admin("mode", {"mode": "429", "retry_after": 1, "count": 1})
+    _, source, usage = describe(client, unique(), model="gpt-4o-mini-it-429")
+    assert source == "llm" and usage["attempts"] == 2
+    first, second = stats(fake_llm)["arrivals"][-2:]
+    assert second - first >= 1.0
+    assert metric_value(triton, "describe_requests_total", outcome="retried") == retried_before + 1
+
+
+@pytest.mark.parametrize("mode, reason", [("500", "http_500"), ("malformed", "malformed_response"),
+                                          ("drop", "connection_error")])
+def test_upstream_failures_are_retried_then_fall_back(client, fake_llm, mode, reason):
+    before = stats(fake_llm)["requests"]
+    fake_llm.admin("mode", {"mode": mode})
+    text, source, usage = describe(client, unique(), model=f"gpt-4o-mini-it-{mode}")
+    assert source == "fallback" and usage["fallback_reason"] == reason and usage["attempts"] == 3
+    assert text == "Most likely a tabby (62%); it could also be a tiger cat (21%) or an Egyptian cat (9%)."
+    assert stats(fake_llm)["requests"] - before == 3
+
+
+def test_401_is_not_retried_and_the_key_never_leaks(client, fake_llm, triton):
+    key = stats(fake_llm)["last_authorization"].removeprefix("Bearer ")
+    before = stats(fake_llm)["requests"]
+    fake_llm.admin("mode", {"mode": "401"})  # the fake echoes the key back, as providers do
+    text, source, usage = describe(client, unique(), model="gpt-4o-mini-it-401")
+    assert source == "fallback" and usage["fallback_reason"] == "http_401" and usage["attempts"] == 1
+    assert stats(fake_llm)["requests"] - before == 1
+    log = triton.log()
+    assert "Incorrect API key provided" in log  # the failure was logged ...
+    for place in (text, json.dumps(usage), log, triton.metrics()):
+        assert key not in place  # ... without the key
+
+
+def test_a_hanging_upstream_is_cut_by_the_timeout(client, fake_llm):
+    fake_llm.admin("mode", {"mode": "hang"})
+    started = time.monotonic()
+    _, source, usage = describe(client, unique(), model="gpt-4o-mini-it-hang", timeout_s=0.5)
+    assert source == "fallback" and usage["fallback_reason"] == "timeout" and usage["attempts"] == 3
+    assert time.monotonic() - started < 4
+
+
+def test_refused_connections_fall_back(client, fake_llm):
+    describe(client, unique(), model="gpt-4o-mini-it-refuse")  # a pooled connection exists
+    fake_llm.admin("mode", {"mode": "refuse", "duration_s": 2})
+    _, source, usage = describe(client, unique(), model="gpt-4o-mini-it-refuse")
+    assert source == "fallback" and usage["fallback_reason"] == "connection_error"
+    time.sleep(2.2)
+
+
+def test_circuit_opens_then_half_opens_and_closes(client, fake_llm, triton):
+    model = "gpt-4o-mini-it-circuit"
+    fake_llm.admin("mode", {"mode": "500"})
+    describe(client, unique(), model=model)   # 3 failed attempts
+    describe(client, unique(), model=model)   # 2 more: the threshold (5) opens the circuit
+    assert metric_value(triton, "describe_circuit_state", upstream_model=model) == 2
+    before = stats(fake_llm)["requests"]
+    _, source, usage = describe(client, unique(), model=model)
+    assert source == "fallback" and usage["fallback_reason"] == "circuit_open" and usage["attempts"] == 0
+    assert stats(fake_llm)["requests"] == before  # open: nothing went upstream
+    # Other upstream models keep their own circuit.
+    fake_llm.admin("mode", {"mode": "ok"})
+    assert describe(client, unique(), model="gpt-4o-mini-it-other")[1] == "llm"
+    deadline = time.monotonic() + 15  # circuit_cooldown_s is 10 in the committed config
+    while describe(client, unique(), model=model)[1] != "llm":
+        assert time.monotonic() < deadline, "the circuit never half-opened"
+        time.sleep(0.5)
+    assert metric_value(triton, "describe_circuit_state", upstream_model=model) == 0
+
+
+def test_a_cancelled_request_stops_its_upstream_call(triton, fake_llm):
+    fake_llm.admin("mode", {"mode": "hang"})
+    cancelled_before = metric_value(triton, "describe_requests_total", outcome="cancelled")
+    disconnected_before = stats(fake_llm)["disconnected"]
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    done = threading.Event()
+    context = client.async_infer(MODEL, inputs(unique("cancel me"), grpcclient),
+                                 callback=lambda result, error: done.set(),
+                                 parameters={"model": "gpt-4o-mini-it-cancel"})
+    time.sleep(0.5)
+    context.cancel()
+    deadline = time.monotonic() + 5  # far below the 15 s attempt timeout
+    while metric_value(triton, "describe_requests_total", outcome="cancelled") == cancelled_before:
+        assert time.monotonic() < deadline, "the model never noticed the cancellation"
+        time.sleep(0.2)
+    time.sleep(0.2)
+    assert stats(fake_llm)["disconnected"] > disconnected_before
+    client.close()
+
+
+def test_one_instance_holds_500_calls_and_queues_beyond_the_cap(triton, fake_llm):
+    """1,100 concurrent 1 s requests: 1,024 (max_in_flight) at once upstream, the rest queued, none failed."""
+    fake_llm.admin("mode", {"mode": "ok", "latency_ms": 1000})
+    before = stats(fake_llm)
+    tag = uuid.uuid4().hex[:8]
+
+    async def run():
+        url = f"http://{triton.http_url}/v2/models/{MODEL}/infer"
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async def one(i):
+                payload = {"inputs": [
+                    {"name": "LABELS", "shape": [1, 3], "datatype": "BYTES", "data": list(LABELS)},
+                    {"name": "SCORES", "shape": [1, 3], "datatype": "FP32", "data": list(SCORES)},
+                    {"name": "PROMPT", "shape": [1, 1], "datatype": "BYTES", "data": [f"load {tag} {i}"]}]}
+                async with session.post(url, json=payload) as response:
+                    body = await response.json()
+                    return response.status, body
+            return await asyncio.gather(*(one(i) for i in range(1100)))
+
+    started = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    sources = [body["outputs"][1]["data"][0] for status, body in results if status == 200]
+    assert len(sources) == 1100 and set(sources) == {"llm"}
+    peak = stats(fake_llm)["max_in_flight"]
+    assert 500 <= peak <= 1024, peak
+    assert stats(fake_llm)["requests"] - before["requests"] == 1100
+    assert elapsed < 20, elapsed  # serial would take 1,100 s
+
+
+def test_metrics_report_tokens_cost_latency_and_gauges(triton, client):
+    describe(client, unique())
+    assert metric_value(triton, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
+    assert metric_value(triton, "describe_completion_tokens_total", upstream_model="gpt-4o-mini") > 0
+    assert metric_value(triton, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
+    assert metric_value(triton, "describe_upstream_latency_seconds_count", upstream_model="gpt-4o-mini",
+                        result="ok") > 0
+    assert metric_value(triton, "describe_requests_total", outcome="ok") > 0
+    assert metric_value(triton, "describe_upstream_in_flight") == 0
+    assert metric_value(triton, "describe_circuit_state", upstream_model="gpt-4o-mini") == 0
+
+
+def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_llm):
+    """A second, small server (describe, and the classifier serve.sh insists on)
+    started by the same scripts/serve.sh, without LLM_API_KEY."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("describe", "classifier"):
+        (repo / name).symlink_to(REPO / "model_repository" / name)
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_")}
+    env.update(HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
+               MODEL_REPOSITORY=str(repo), LLM_BASE_URL=fake_llm.base_url)
+    log_path = tmp_path / "nokey.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if client.is_model_ready(MODEL):
+                    break
+            except Exception:
+                pass
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.3)
+        before = stats(fake_llm)["requests"]
+        for _ in range(3):
+            text, source, usage = describe(client, unique())
+            assert source == "fallback" and usage["fallback_reason"] == "no_api_key"
+            assert text.startswith("Most likely a tabby")
+        assert stats(fake_llm)["requests"] == before
+        log = log_path.read_text()
+        assert log.count("no API key found") == 1 and "LLM_API_KEY" in log and "LLM_BASE_URL" in log
+    finally:
+        client.close()  # an open keep-alive connection would hold the shutdown for exit-timeout-secs
+        process.send_signal(signal.SIGTERM)  # our own server, by its PID
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
