@@ -110,3 +110,14 @@ clean:
 .PHONY: rehearse
 rehearse: build
 	$(PY) scripts/rehearse_scaling.py $(REHEARSE_ARGS)
+
+# Benchmarks: perf_analyzer against a server and a fake LLM upstream that the run
+# starts on free ports (scripts/bench/). Not part of `make test`.
+#   make bench         docs/benchmarks.md + docs/plots/*.png (about 15 minutes)
+#   make bench-quick   the headline figures in under 3 minutes (build/bench/quick/)
+.PHONY: bench bench-quick
+bench: build perf-analyzer
+	$(PY) scripts/bench/run.py --mode full --results $(BUILD)/bench/full/results.json
+
+bench-quick: build perf-analyzer
+	$(PY) scripts/bench/run.py --mode quick --results $(BUILD)/bench/quick/results.json

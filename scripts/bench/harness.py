@@ -1,0 +1,228 @@
+"""Processes a benchmark run needs, each on free loopback ports and stopped by
+its PID: the fake OpenAI-compatible upstream (tests/fake_openai) and a
+tritonserver started by scripts/serve.sh on a temp copy of model_repository/.
+Plus perf_analyzer runs (bounded in time) and Triton's statistics API."""
+
+import csv
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+PERF_ANALYZER = REPO / "build/perf_analyzer/bin/perf_analyzer"
+BENCH_API_KEY = "sk-bench-not-a-real-key"
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url, payload=None, timeout=30):
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if data is None else "POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def _stop(process, grace_s=60):
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+def _tail(path, lines=40):
+    try:
+        return "\n".join(pathlib.Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class FakeLLM:
+    """tests/fake_openai as its own process; its latency is changed through its admin API."""
+
+    def __init__(self, workdir, latency_ms=0.0):
+        self.port = free_port()
+        self.log_path = pathlib.Path(workdir) / f"fake_llm_{self.port}.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--latency-ms", str(latency_ms)],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"fake LLM exited:\n{_tail(self.log_path)}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"fake LLM not listening after 30 s:\n{_tail(self.log_path)}")
+                time.sleep(0.1)
+
+    @property
+    def base_url(self):
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def set_latency(self, latency_ms):
+        http_json(f"http://127.0.0.1:{self.port}/_admin/mode", {"mode": "ok", "latency_ms": latency_ms})
+
+    def stats(self):
+        return http_json(f"http://127.0.0.1:{self.port}/_admin/stats")
+
+    def stop(self):
+        _stop(self.process, grace_s=10)
+
+
+class Triton:
+    """scripts/serve.sh on a temp copy of model_repository/ (so configs can be swapped)."""
+
+    def __init__(self, workdir, llm_base_url, extra_env=None, ready_timeout_s=300):
+        workdir = pathlib.Path(workdir)
+        self.repository = workdir / "model_repository"
+        if not self.repository.exists():
+            shutil.copytree(REPO / "model_repository", self.repository)
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.log_path = workdir / f"tritonserver_{self.http_port}.log"
+        env = dict(os.environ, HTTP_PORT=str(self.http_port), GRPC_PORT=str(self.grpc_port),
+                   METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository),
+                   LLM_BASE_URL=llm_base_url, LLM_API_KEY=BENCH_API_KEY, **(extra_env or {}))
+        env.pop("LLM_API_KEY_FILE", None)
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        started = time.monotonic()
+        while not self.is_ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{_tail(self.log_path)}")
+            if time.monotonic() - started > ready_timeout_s:
+                self.stop()
+                raise RuntimeError(f"tritonserver not ready after {ready_timeout_s}s:\n{_tail(self.log_path)}")
+            time.sleep(0.5)
+        self.startup_s = time.monotonic() - started
+
+    @property
+    def http_url(self):
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self):
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def is_ready(self):
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=5) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stats(self):
+        """{model: {count, exec_count, queue_ms, compute_ms (input+infer+output) summed}}."""
+        out = {}
+        for entry in http_json(f"http://{self.http_url}/v2/models/stats")["model_stats"]:
+            inference = entry["inference_stats"]
+            out[entry["name"]] = {
+                "count": inference["success"]["count"],
+                "exec_count": entry.get("execution_count", 0),
+                "inference_count": entry.get("inference_count", 0),
+                "queue_ms": inference["queue"]["ns"] / 1e6,
+                "compute_ms": sum(inference[k]["ns"] for k in
+                                  ("compute_input", "compute_infer", "compute_output")) / 1e6,
+                "request_ms": inference["success"]["ns"] / 1e6,
+            }
+        return out
+
+    def load(self, model):
+        """(Re)load a model from the temp repository (after its config.pbtxt changed)."""
+        http_json(f"http://{self.http_url}/v2/repository/models/{model}/load", {}, timeout=300)
+
+    def stop(self):
+        _stop(self.process)
+
+
+def stats_delta(before, after):
+    delta = {}
+    for name, now in after.items():
+        then = before.get(name, {})
+        delta[name] = {key: now[key] - then.get(key, 0) for key in now}
+    return delta
+
+
+def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
+                  window_ms=3000, trials=3, batch_size=1, timeout_s=None):
+    """One perf_analyzer measurement at one concurrency, bounded in time.
+
+    Stability is not required (-s 1000): on a shared 2-core machine the load from
+    other processes varies more than perf_analyzer's default 10 %, and a run that
+    never stabilises would measure nothing. The figure is the last of `trials`
+    windows (the first ones warm up), as perf_analyzer reports it.
+    Returns a dict with throughput (infer/s) and latencies (ms), or raises."""
+    workdir = pathlib.Path(workdir)
+    tag = f"{model}_{protocol}_c{concurrency}_b{batch_size}_{time.monotonic_ns()}"
+    csv_path = workdir / f"pa_{tag}.csv"
+    log_path = workdir / f"pa_{tag}.log"
+    command = [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", protocol,
+               "--input-data", str(input_data), "-b", str(batch_size),
+               "--concurrency-range", str(concurrency),
+               "--measurement-mode", "time_windows", "--measurement-interval", str(window_ms),
+               "-s", "1000", "-r", str(trials), "--percentile", "50",
+               "--max-threads", str(max(16, concurrency)), "-f", str(csv_path)]
+    if concurrency > 16:
+        command.append("--async")
+    if timeout_s is None:
+        timeout_s = 60 + (trials + 2) * window_ms / 1000 * 6
+    for attempt in range(3):
+        with open(log_path, "w") as log:
+            try:
+                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
+                break
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n{_tail(log_path)}")
+            except subprocess.CalledProcessError as exc:
+                # A window in which no request finished (a loaded machine, a slow LLM): twice as long.
+                if attempt < 2 and "No valid requests recorded" in pathlib.Path(log_path).read_text(errors="replace"):
+                    index = command.index("--measurement-interval") + 1
+                    command[index] = str(int(command[index]) * 2)
+                    continue
+                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n{_tail(log_path)}")
+    with open(csv_path) as handle:
+        row = next(csv.DictReader(handle))
+    us = lambda key: float(row[key]) / 1000.0  # noqa: E731
+    return {
+        "throughput": float(row["Inferences/Second"]),
+        "p50_ms": us("p50 latency"), "p90_ms": us("p90 latency"), "p99_ms": us("p99 latency"),
+        "server_queue_ms": us("Server Queue"),
+        "server_compute_ms": us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"),
+        "command": "perf_analyzer " + " ".join(_display(a) for a in command[1:]),
+    }
+
+
+def _display(arg):
+    """Command lines in the report name paths relative to the run's work dir."""
+    text = str(arg)
+    if text.startswith("/"):
+        return pathlib.Path(text).name
+    return text
+
+
+def load_average():
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (float("nan"),) * 3

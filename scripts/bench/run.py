@@ -1,0 +1,343 @@
+"""`make bench` / `make bench-quick`: measure the package with perf_analyzer and
+write the report (docs/benchmarks.md) and its plots (docs/plots/*.png).
+
+One run starts its own fake LLM upstream and tritonserver on free loopback
+ports (a temp copy of model_repository/, so configs can be swapped for the
+tuning sweep), measures every figure side by side on the same machine, stops
+both by PID, and prints the headline ratios.
+
+usage: .venv/bin/python scripts/bench/run.py --mode full|quick|smoke [--out FILE] [--plots DIR]
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import clients  # noqa: E402
+import harness  # noqa: E402
+import inputs  # noqa: E402
+import report  # noqa: E402
+
+REPO = harness.REPO
+
+# Every load run is bounded: perf_analyzer by windows x trials (and a timeout),
+# the Python clients by their duration.
+MODES = {
+    "smoke": dict(window_ms=1000, trials=3, repeats=1, inproc_s=0.3, inproc_batches="1,2",
+                  classify_c=2, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
+                  describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_s=1.5, warmup_s=0.5,
+                  classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
+                  tuning=("delay_0",), tuning_c=(2,)),
+    "quick": dict(window_ms=1500, trials=3, repeats=1, inproc_s=1.5, inproc_batches="1,2,4",
+                  classify_c=4, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
+                  describe_n=100, pattern_latency_ms=200, pattern_c=16, pattern_s=5.0, warmup_s=1.0,
+                  classify_sweep=(1, 4), ensemble_sweep=(4, 32), ensemble_sweep_latency_ms=200,
+                  tuning=(), tuning_c=()),
+    "full": dict(window_ms=3000, trials=3, repeats=2, inproc_s=4.0, inproc_batches="1,2,4,8",
+                 classify_c=4, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
+                 describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_s=10.0, warmup_s=2.0,
+                 classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 64, 128),
+                 ensemble_sweep_latency_ms=200,
+                 tuning=("shipped", "no_batching", "delay_0", "preferred_8", "threads_1", "two_instances"),
+                 tuning_c=(4, 8)),
+}
+
+
+def log(message):
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def machine():
+    cpu = platform.processor() or ""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_kb = int(re.search(r"MemTotal:\s+(\d+)", pathlib.Path("/proc/meminfo").read_text()).group(1))
+        mem = f"{mem_kb / 1024 / 1024:.0f} GiB RAM"
+    except (OSError, AttributeError):
+        mem = "RAM unknown"
+    return f"{cpu}, {os.cpu_count()} cores, {mem}, {platform.system()} {platform.release()}, no GPU used"
+
+
+def git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def other_tritonservers():
+    """How many tritonservers this run did not start are running: the load the figures shared the CPU with."""
+    try:
+        out = subprocess.run(["ps", "-eo", "comm="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(1 for line in out.splitlines() if line.strip() == "tritonserver")
+
+
+# -- the measurements ---------------------------------------------------------------------
+
+def measure_classification(ctx, p):
+    """Figure 1: classify through Triton vs the same work in one process; repeated in turns."""
+    pairs = []
+    for repeat in range(p["repeats"]):
+        before = ctx.triton.stats()
+        served = ctx.pa("classify", p["classify_c"])
+        delta = harness.stats_delta(before, ctx.triton.stats())
+        log(f"classify c={p['classify_c']}: {served['throughput']:.1f} img/s, p50 {served['p50_ms']:.1f} ms")
+        inproc = run_inprocess(ctx, p)
+        log(f"in-process: {json.dumps(inproc)}")
+        pairs.append({"triton": served, "stats": delta, "inprocess": inproc})
+    return pairs
+
+
+def run_inprocess(ctx, p):
+    command = [sys.executable, str(REPO / "scripts/bench/inprocess.py"), *map(str, ctx.jpeg_paths),
+               "--model-dir", str(ctx.triton.repository / "classifier"), "--batch-sizes", p["inproc_batches"],
+               "--duration-s", str(p["inproc_s"]), "--threads", str(ctx.torch_threads)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    result["e2e"] = {int(k): v for k, v in result["e2e"].items()}
+    result["forward"] = {int(k): v for k, v in result["forward"].items()}
+    return result
+
+
+def concurrency_to_cover(throughput, latency_ms, base, cap):
+    """Little's law: requests in flight = throughput x latency; twice that plus the
+    base concurrency, to the next power of two."""
+    needed = base + 2 * throughput * latency_ms / 1000.0
+    return min(cap, 2 ** math.ceil(math.log2(max(needed, 1))))
+
+
+def measure_latency_hiding(ctx, p):
+    """Figure 2: the ensemble with a slow LLM vs an instant one, same concurrency."""
+    ctx.llm.set_latency(0)
+    probe = ctx.pa("classify_and_describe", p["cover_base_c"])
+    concurrency = concurrency_to_cover(probe["throughput"], p["cover_latency_ms"], p["cover_base_c"],
+                                       p["cover_max_c"])
+    log(f"ensemble 0 ms at c={p['cover_base_c']}: {probe['throughput']:.1f}/s -> "
+        f"concurrency {concurrency} covers {p['cover_latency_ms']} ms")
+    runs = {}
+    for latency in (0, p["cover_latency_ms"]):
+        ctx.llm.set_latency(latency)
+        llm_before, before = ctx.llm.stats()["requests"], ctx.triton.stats()
+        result = ctx.pa("classify_and_describe", concurrency)
+        delta = harness.stats_delta(before, ctx.triton.stats())
+        result["upstream_calls"] = ctx.llm.stats()["requests"] - llm_before
+        result["triton_requests"] = delta.get("classify_and_describe", {}).get("count", 0)
+        result["stats"] = delta
+        runs[latency] = result
+        log(f"ensemble {latency} ms at c={concurrency}: {result['throughput']:.1f}/s, p50 {result['p50_ms']:.0f} ms")
+    ctx.llm.set_latency(0)
+    return {"concurrency": concurrency, "latency_ms": p["cover_latency_ms"], "probe": probe,
+            "fast": runs[0], "slow": runs[p["cover_latency_ms"]]}
+
+
+def measure_describe_overhead(ctx, p):
+    """Figure 3: the describe model over a direct upstream call, one request at a time."""
+    ctx.llm.set_latency(0)
+    result = clients.describe_overhead(ctx.triton.http_url, ctx.llm.base_url, ctx.prompts, p["describe_n"])
+    log(f"describe overhead p50 {result['overhead_p50_ms']:.2f} ms")
+    result["bench_describe"] = run_bench_describe(ctx, p)
+    return result
+
+
+def run_bench_describe(ctx, p):
+    """The other engineer's scripts/bench_describe.py, when present and in a full run."""
+    script = REPO / "scripts/bench_describe.py"
+    if not script.exists() or ctx.mode != "full":
+        return None
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return {"rc": "timeout", "output": ""}
+    return {"rc": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
+
+
+def measure_patterns(ctx, p):
+    """Figure 4: the ensemble vs the two-step client, in turns, same images and load."""
+    ctx.llm.set_latency(p["pattern_latency_ms"])
+    results = {}
+    for pattern in ("ensemble", "two_step"):
+        results[pattern] = clients.measure(pattern, ctx.triton.http_url, ctx.llm.base_url, ctx.images,
+                                           ctx.prompts, p["pattern_c"], p["pattern_s"], p["warmup_s"])
+        log(f"{pattern} c={p['pattern_c']}: {json.dumps(results[pattern])}")
+    ctx.llm.set_latency(0)
+    return {"latency_ms": p["pattern_latency_ms"], "concurrency": p["pattern_c"], "duration_s": p["pattern_s"],
+            **results}
+
+
+def measure_sweeps(ctx, p):
+    """Figure 5: concurrency sweeps of the classify path and of the whole ensemble."""
+    sweeps = {"classify": [], "classify_and_describe": [], "ensemble_latency_ms": p["ensemble_sweep_latency_ms"]}
+    for concurrency in p["classify_sweep"]:
+        sweeps["classify"].append(dict(ctx.pa("classify", concurrency), concurrency=concurrency))
+    ctx.llm.set_latency(p["ensemble_sweep_latency_ms"])
+    for concurrency in p["ensemble_sweep"]:
+        sweeps["classify_and_describe"].append(dict(ctx.pa("classify_and_describe", concurrency),
+                                                    concurrency=concurrency))
+    ctx.llm.set_latency(0)
+    for name in ("classify", "classify_and_describe"):
+        log(f"sweep {name}: " + ", ".join(f"c={r['concurrency']} {r['throughput']:.1f}/s" for r in sweeps[name]))
+    return sweeps
+
+
+TUNING_VARIANTS = {
+    "shipped": ("shipped config: preferred [2,4], 2 ms delay, 1 instance x 2 threads", []),
+    "no_batching": ("no dynamic batching (batch 1), 1 instance x 2 threads",
+                    [(r"dynamic_batching \{[^}]*\}", "")]),
+    "delay_0": ("preferred [2,4], no queue delay", [(r"max_queue_delay_microseconds: \d+",
+                                                     "max_queue_delay_microseconds: 0")]),
+    "preferred_8": ("preferred [8], 10 ms delay", [(r"preferred_batch_size: \[[^\]]*\]", "preferred_batch_size: [ 8 ]"),
+                                                   (r"max_queue_delay_microseconds: \d+",
+                                                    "max_queue_delay_microseconds: 10000")]),
+    "threads_1": ("1 instance x 1 thread", [(r'(key: "torch_num_threads" value \{ string_value: )"\d+"', r'\1"1"')]),
+    "two_instances": ("2 instances x 1 thread", [(r"count: 1, kind: KIND_CPU", "count: 2, kind: KIND_CPU"),
+                                                 (r'(key: "torch_num_threads" value \{ string_value: )"\d+"',
+                                                  r'\1"1"')]),
+}
+
+
+def measure_tuning(ctx, p):
+    """The sweep behind the shipped classifier config: alternatives on the temp repository."""
+    config_path = ctx.triton.repository / "classifier/config.pbtxt"
+    shipped = config_path.read_text()
+    rows = []
+    try:
+        for name in p["tuning"]:
+            label, edits = TUNING_VARIANTS[name]
+            text = shipped
+            for pattern, replacement in edits:
+                text, count = re.subn(pattern, replacement, text)
+                if count == 0:
+                    raise RuntimeError(f"tuning variant {name}: {pattern!r} not found in classifier/config.pbtxt")
+            if name != "shipped" or rows:
+                config_path.write_text(text)
+                ctx.triton.load("classifier")
+            row = {"name": name, "label": label, "results": {}}
+            for concurrency in p["tuning_c"]:
+                before = ctx.triton.stats()
+                result = ctx.pa("classify", concurrency)
+                delta = harness.stats_delta(before, ctx.triton.stats()).get("classifier", {})
+                result["avg_batch"] = (delta.get("inference_count", 0) / delta["exec_count"]
+                                       if delta.get("exec_count") else float("nan"))
+                row["results"][concurrency] = result
+            log(f"tuning {name}: " + ", ".join(f"c={c} {r['throughput']:.1f}/s p50 {r['p50_ms']:.0f} ms"
+                                               for c, r in row["results"].items()))
+            rows.append(row)
+    finally:
+        if config_path.read_text() != shipped:
+            config_path.write_text(shipped)
+            ctx.triton.load("classifier")
+    return rows
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+class Context:
+    def __init__(self, mode, workdir, params):
+        self.mode, self.workdir, self.params = mode, pathlib.Path(workdir), params
+        self.commands = set()
+
+    def pa(self, model, concurrency):
+        result = harness.perf_analyzer(model, self.triton.http_url, self.input_data[model], concurrency,
+                                       self.workdir, window_ms=self.params["window_ms"], trials=self.params["trials"])
+        command = result["command"].replace(self.triton.http_url, "127.0.0.1:<HTTP_PORT>")
+        command = re.sub(r"--concurrency-range \d+", "--concurrency-range <C>", command)
+        self.commands.add(re.sub(r"-f \S+", "-f result.csv", command))
+        return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=sorted(MODES), default="quick")
+    parser.add_argument("--out", type=pathlib.Path, help="the report (default: docs/benchmarks.md for full, "
+                        "build/bench/<mode>/benchmarks.md otherwise)")
+    parser.add_argument("--plots", type=pathlib.Path, help="plot folder (default: docs/plots for full)")
+    parser.add_argument("--results", type=pathlib.Path, help="also write the raw results as JSON here")
+    parser.add_argument("--keep-workdir", action="store_true")
+    args = parser.parse_args(argv)
+    if not harness.PERF_ANALYZER.exists():
+        sys.exit(f"bench: {harness.PERF_ANALYZER} is missing; run `make perf-analyzer`")
+
+    mode, params = args.mode, MODES[args.mode]
+    out = args.out or (REPO / "docs/benchmarks.md" if mode == "full" else REPO / f"build/bench/{mode}/benchmarks.md")
+    plots = args.plots or (REPO / "docs/plots" if mode == "full" else out.parent / "plots")
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{mode}_"))
+    ctx = Context(mode, workdir, params)
+    started = time.monotonic()
+    meta = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(), "commit": git_commit(), "load_before": harness.load_average(),
+            "other_servers": other_tritonservers(), "params": params,
+            "command": {"full": "make bench", "quick": "make bench-quick"}.get(mode,
+                                                                               f"scripts/bench/run.py --mode {mode}")}
+    log(f"mode {mode}, work dir {workdir}, load average {meta['load_before'][0]:.1f}, "
+        f"{meta['other_servers']} other tritonserver(s) running")
+    jpegs = inputs.photo_jpegs()
+    ctx.images = [jpegs[name] for name in inputs.PHOTOS]
+    ctx.jpeg_paths = []
+    for name, data in jpegs.items():
+        path = workdir / f"{name}.jpg"
+        path.write_bytes(data)
+        ctx.jpeg_paths.append(path)
+    ctx.prompts = inputs.prompts(100_000)
+    ctx.input_data = inputs.write_input_data(workdir, jpegs)
+    ctx.torch_threads = 2
+
+    ctx.llm = harness.FakeLLM(workdir)
+    ctx.triton = None
+    results = {"meta": meta}
+    try:
+        # The backend's own LLM cache is switched off, and every request carries a
+        # distinct prompt: each request is one real upstream call.
+        ctx.triton = harness.Triton(workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
+        meta["server_startup_s"] = ctx.triton.startup_s
+        threads = re.search(r'torch_num_threads" value \{ string_value: "(\d+)"',
+                            (ctx.triton.repository / "classifier/config.pbtxt").read_text())
+        ctx.torch_threads = int(threads.group(1)) if threads else 1
+        meta["torch_threads"] = ctx.torch_threads
+        log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}")
+        results["classification"] = measure_classification(ctx, params)
+        results["hiding"] = measure_latency_hiding(ctx, params)
+        results["describe"] = measure_describe_overhead(ctx, params)
+        results["patterns"] = measure_patterns(ctx, params)
+        results["sweeps"] = measure_sweeps(ctx, params)
+        results["tuning"] = measure_tuning(ctx, params) if params["tuning"] else []
+    finally:
+        if ctx.triton is not None:
+            ctx.triton.stop()
+        ctx.llm.stop()
+    meta["load_after"] = harness.load_average()
+    meta["duration_s"] = time.monotonic() - started
+    meta["perf_analyzer_commands"] = sorted(ctx.commands)
+
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(results, indent=1, default=str))
+    headline = report.write(results, out, plots)
+    print(headline)
+    log(f"report {out.relative_to(REPO) if out.is_relative_to(REPO) else out}, plots in {plots}, "
+        f"{meta['duration_s']:.0f}s in all")
+    if not args.keep_workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
