@@ -41,7 +41,7 @@ def classification_figure(pairs, policy_max_batch=4):
 
 
 def headline(results):
-    c = classification_figure(results["classification"])
+    c = classification_figure(results["classification"], results["meta"].get("policy_max_batch", 4))
     h = results["hiding"]
     d = results["describe"]
     p = results["patterns"]
@@ -234,7 +234,8 @@ def write(results, out_path, plots_dir):
         "play the two-step client.")
     add(f"- The whole run took {meta['duration_s']:.0f} s. Reproduce: `make build perf-analyzer && "
         f"{meta['command']}`.\n")
-    add("perf_analyzer command lines (the work-dir file names; `<C>` is the concurrency):\n")
+    add("perf_analyzer command lines (the work-dir file names; `<C>` is the concurrency, `<W>` the window: "
+        f"{params['window_ms']} ms, or three times the expected latency where that is longer, up to 30 s):\n")
     add("```")
     lines.extend(meta.get("perf_analyzer_commands", []))
     add("```\n")
@@ -252,8 +253,11 @@ def write(results, out_path, plots_dir):
     add(f"`classify` (IMAGE bytes in, LABELS/SCORES out) under perf_analyzer at concurrency {params['classify_c']}, "
         "against `scripts/bench/inprocess.py`: the same decode/preprocess code (`backends/image_preprocess`) and "
         "classifier code (`backends/torchscript_classifier`) in one process, with the same torch threads "
-        f"({_threads(results)}), at each batch size of the server's policy (preferred 2 and 4); the baseline is the "
-        f"best of batch 1, 2 and 4. {params['repeats']} turn(s) of Triton then in-process; the ratio is the median.\n")
+        f"({_threads(results)}), at each batch size up to the largest the server's batcher prefers "
+        f"(shipped classifier config: {results['meta'].get('classifier_config', '?')}); the baseline is the best "
+        f"of those batch sizes. {params['repeats']} turn(s) of Triton then in-process; the ratio is the median. "
+        "Triton runs decode and forward in two processes (preprocess, classifier), the in-process loop runs "
+        "them one after the other.\n")
     add("| turn | Triton img/s | server avg batch | in-process e2e img/s (best batch) | forward-only img/s | ratio |")
     add("| --- | --- | --- | --- | --- | --- |")
     for i, row in enumerate(c["rows"], 1):
@@ -295,12 +299,12 @@ def write(results, out_path, plots_dir):
         f"and after 0 ms, both at concurrency {h['concurrency']}: chosen by Little's law from the 0 ms throughput "
         f"at concurrency {results['meta']['params']['cover_base_c']} ({_f(h['probe']['throughput'])}/s), so that "
         f"enough requests are in flight to cover {h['latency_ms']} ms.\n")
-    add("| LLM latency | throughput (infer/s) | p50 ms | p99 ms | upstream calls / requests |")
-    add("| --- | --- | --- | --- | --- |")
+    add("| LLM latency | throughput (infer/s) | p50 ms | p99 ms | upstream calls / requests | window ms |")
+    add("| --- | --- | --- | --- | --- | --- |")
     for label, run in (("0 ms", h["fast"]), (f"{h['latency_ms']} ms", h["slow"])):
         calls = (run["upstream_calls"] / run["triton_requests"]) if run.get("triton_requests") else float("nan")
         add(f"| {label} | {_f(run['throughput'])} | {_f(run['p50_ms'], 0)} | {_f(run['p99_ms'], 0)} | "
-            f"{_f(calls, 2)} |")
+            f"{_f(calls, 2)} | {run.get('window_ms', '')} |")
     add(f"\nRatio: **{derived['hiding_ratio']:.2f}** (target at least 0.9). Upstream calls per request near 1.00 show "
         "that no answer came from a cache.\n")
 
@@ -357,7 +361,8 @@ def write(results, out_path, plots_dir):
         concs = sorted({c for row in results["tuning"] for c in row["results"]})
         add("perf_analyzer on `classify` with the classifier's config.pbtxt swapped on the run's temp copy of the "
             "model repository and reloaded (`POST /v2/repository/models/classifier/load`); everything else as "
-            "shipped.\n")
+            "shipped. The forward-pass measurements that led to the shipped values are in "
+            "[tuning-classifier.md](tuning-classifier.md).\n")
         add("| config | " + " | ".join(f"c={c}: img/s, p50 / p99 ms, avg batch" for c in concs) + " |")
         add("| --- |" + " --- |" * len(concs))
         for row in results["tuning"]:

@@ -38,18 +38,18 @@ MODES = {
                   classify_c=2, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
                   describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_s=1.5, warmup_s=0.5,
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
-                  tuning=("delay_0",), tuning_c=(2,)),
+                  tuning=("threads_2",), tuning_c=(2,)),
     "quick": dict(window_ms=1500, trials=3, repeats=1, inproc_s=1.5, inproc_batches="1,2,4",
                   classify_c=4, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
                   describe_n=100, pattern_latency_ms=200, pattern_c=16, pattern_s=5.0, warmup_s=1.0,
-                  classify_sweep=(1, 4), ensemble_sweep=(4, 32), ensemble_sweep_latency_ms=200,
+                  classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=()),
     "full": dict(window_ms=3000, trials=3, repeats=2, inproc_s=4.0, inproc_batches="1,2,4,8",
                  classify_c=4, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_s=10.0, warmup_s=2.0,
-                 classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 64, 128),
+                 classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
                  ensemble_sweep_latency_ms=200,
-                 tuning=("shipped", "no_batching", "delay_0", "preferred_8", "threads_1", "two_instances"),
+                 tuning=("shipped", "no_batching", "delay_2ms", "preferred_8", "threads_2", "two_instances"),
                  tuning_c=(4, 8)),
 }
 
@@ -120,10 +120,10 @@ def run_inprocess(ctx, p):
 
 
 def concurrency_to_cover(throughput, latency_ms, base, cap):
-    """Little's law: requests in flight = throughput x latency; twice that plus the
-    base concurrency, to the next power of two."""
-    needed = base + 2 * throughput * latency_ms / 1000.0
-    return min(cap, 2 ** math.ceil(math.log2(max(needed, 1))))
+    """Little's law: requests in flight = throughput x latency. The base concurrency
+    (which saturates the CPU at 0 ms) plus 1.5 times that, rounded up to a multiple of 8."""
+    needed = base + 1.5 * throughput * latency_ms / 1000.0
+    return int(min(cap, 8 * math.ceil(needed / 8)))
 
 
 def measure_latency_hiding(ctx, p):
@@ -138,7 +138,11 @@ def measure_latency_hiding(ctx, p):
     for latency in (0, p["cover_latency_ms"]):
         ctx.llm.set_latency(latency)
         llm_before, before = ctx.llm.stats()["requests"], ctx.triton.stats()
-        result = ctx.pa("classify_and_describe", concurrency)
+        # A window several times the expected latency (queueing included), so that
+        # each window counts many completions, not a handful.
+        expected_ms = max(1000.0 * concurrency, latency * probe["throughput"] + 1000.0 * p["cover_base_c"]) \
+            / max(probe["throughput"], 0.1)
+        result = ctx.pa("classify_and_describe", concurrency, expected_ms)
         delta = harness.stats_delta(before, ctx.triton.stats())
         result["upstream_calls"] = ctx.llm.stats()["requests"] - llm_before
         result["triton_requests"] = delta.get("classify_and_describe", {}).get("count", 0)
@@ -187,32 +191,67 @@ def measure_patterns(ctx, p):
 def measure_sweeps(ctx, p):
     """Figure 5: concurrency sweeps of the classify path and of the whole ensemble."""
     sweeps = {"classify": [], "classify_and_describe": [], "ensemble_latency_ms": p["ensemble_sweep_latency_ms"]}
-    for concurrency in p["classify_sweep"]:
-        sweeps["classify"].append(dict(ctx.pa("classify", concurrency), concurrency=concurrency))
-    ctx.llm.set_latency(p["ensemble_sweep_latency_ms"])
-    for concurrency in p["ensemble_sweep"]:
-        sweeps["classify_and_describe"].append(dict(ctx.pa("classify_and_describe", concurrency),
-                                                    concurrency=concurrency))
+    for name, points in (("classify", p["classify_sweep"]), ("classify_and_describe", p["ensemble_sweep"])):
+        if name == "classify_and_describe":
+            ctx.llm.set_latency(p["ensemble_sweep_latency_ms"])
+        previous = None
+        for concurrency in points:
+            # Windows several times the expected latency, estimated from the previous point.
+            expected_ms = 1000.0 * concurrency / max(previous["throughput"], 0.1) if previous else None
+            previous = dict(ctx.pa(name, concurrency, expected_ms), concurrency=concurrency)
+            sweeps[name].append(previous)
     ctx.llm.set_latency(0)
     for name in ("classify", "classify_and_describe"):
         log(f"sweep {name}: " + ", ".join(f"c={r['concurrency']} {r['throughput']:.1f}/s" for r in sweeps[name]))
     return sweeps
 
 
+# Alternatives to the shipped classifier config, as settings; one that turns out
+# identical to the shipped file is skipped.
 TUNING_VARIANTS = {
-    "shipped": ("shipped config: preferred [2,4], 2 ms delay, 1 instance x 2 threads", []),
-    "no_batching": ("no dynamic batching (batch 1), 1 instance x 2 threads",
-                    [(r"dynamic_batching \{[^}]*\}", "")]),
-    "delay_0": ("preferred [2,4], no queue delay", [(r"max_queue_delay_microseconds: \d+",
-                                                     "max_queue_delay_microseconds: 0")]),
-    "preferred_8": ("preferred [8], 10 ms delay", [(r"preferred_batch_size: \[[^\]]*\]", "preferred_batch_size: [ 8 ]"),
-                                                   (r"max_queue_delay_microseconds: \d+",
-                                                    "max_queue_delay_microseconds: 10000")]),
-    "threads_1": ("1 instance x 1 thread", [(r'(key: "torch_num_threads" value \{ string_value: )"\d+"', r'\1"1"')]),
-    "two_instances": ("2 instances x 1 thread", [(r"count: 1, kind: KIND_CPU", "count: 2, kind: KIND_CPU"),
-                                                 (r'(key: "torch_num_threads" value \{ string_value: )"\d+"',
-                                                  r'\1"1"')]),
+    "shipped": {},
+    "no_batching": {"batching": False},
+    "delay_2ms": {"delay_us": 2000},
+    "preferred_8": {"preferred": [8], "delay_us": 10000},
+    "threads_2": {"threads": 2},
+    "two_instances": {"instances": 2, "threads": 1},
 }
+
+
+def classifier_config(text, batching=True, delay_us=None, preferred=None, threads=None, instances=None):
+    """The classifier's config.pbtxt with some scheduling settings replaced."""
+    edits = []
+    if not batching:
+        edits.append((r"dynamic_batching \{[^}]*\}", ""))
+    if delay_us is not None:
+        edits.append((r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}"))
+    if preferred is not None:
+        edits.append((r"preferred_batch_size: \[[^\]]*\]", f"preferred_batch_size: [ {', '.join(map(str, preferred))} ]"))
+    if threads is not None:
+        edits.append((r'(key: "torch_num_threads" value \{ string_value: )"\d+"', rf'\g<1>"{threads}"'))
+    if instances is not None:
+        edits.append((r"count: \d+, kind: KIND_CPU", f"count: {instances}, kind: KIND_CPU"))
+    for pattern, replacement in edits:
+        text, count = re.subn(pattern, replacement, text)
+        if count == 0:
+            raise RuntimeError(f"tuning: {pattern!r} not found in classifier/config.pbtxt")
+    return text
+
+
+def describe_classifier_config(text):
+    """'preferred [2, 4], delay 0 us, 1 instance x 1 thread' read back from a config.pbtxt."""
+    threads = re.search(r'torch_num_threads" value \{ string_value: "(\d+)"', text)
+    instances = re.search(r"count: (\d+), kind: KIND_CPU", text)
+    batching = re.search(r"dynamic_batching \{([^}]*)\}", text)
+    if batching:
+        preferred = re.search(r"preferred_batch_size: \[([^\]]*)\]", batching.group(1))
+        delay = re.search(r"max_queue_delay_microseconds: (\d+)", batching.group(1))
+        policy = (f"dynamic batching, preferred [{preferred.group(1).strip() if preferred else 'any'}], "
+                  f"delay {int(delay.group(1)) / 1000 if delay else 0:g} ms")
+    else:
+        policy = "no dynamic batching"
+    return (f"{policy}, {instances.group(1) if instances else '?'} instance(s) x "
+            f"{threads.group(1) if threads else '?'} torch thread(s)")
 
 
 def measure_tuning(ctx, p):
@@ -222,13 +261,12 @@ def measure_tuning(ctx, p):
     rows = []
     try:
         for name in p["tuning"]:
-            label, edits = TUNING_VARIANTS[name]
-            text = shipped
-            for pattern, replacement in edits:
-                text, count = re.subn(pattern, replacement, text)
-                if count == 0:
-                    raise RuntimeError(f"tuning variant {name}: {pattern!r} not found in classifier/config.pbtxt")
-            if name != "shipped" or rows:
+            text = classifier_config(shipped, **TUNING_VARIANTS[name])
+            if name != "shipped" and text == shipped:
+                log(f"tuning {name}: the same as the shipped config, skipped")
+                continue
+            label = describe_classifier_config(text) + (" (shipped)" if text == shipped else "")
+            if config_path.read_text() != text:
                 config_path.write_text(text)
                 ctx.triton.load("classifier")
             row = {"name": name, "label": label, "results": {}}
@@ -256,11 +294,16 @@ class Context:
         self.mode, self.workdir, self.params = mode, pathlib.Path(workdir), params
         self.commands = set()
 
-    def pa(self, model, concurrency):
+    def pa(self, model, concurrency, expected_latency_ms=None):
+        window_ms = self.params["window_ms"]
+        if expected_latency_ms:
+            window_ms = int(min(30_000, max(window_ms, 3 * expected_latency_ms)))
         result = harness.perf_analyzer(model, self.triton.http_url, self.input_data[model], concurrency,
-                                       self.workdir, window_ms=self.params["window_ms"], trials=self.params["trials"])
+                                       self.workdir, window_ms=window_ms, trials=self.params["trials"])
+        result["window_ms"] = window_ms
         command = result["command"].replace(self.triton.http_url, "127.0.0.1:<HTTP_PORT>")
         command = re.sub(r"--concurrency-range \d+", "--concurrency-range <C>", command)
+        command = re.sub(r"--measurement-interval \d+", "--measurement-interval <W>", command)
         self.commands.add(re.sub(r"-f \S+", "-f result.csv", command))
         return result
 
@@ -313,6 +356,10 @@ def main(argv=None):
                             (ctx.triton.repository / "classifier/config.pbtxt").read_text())
         ctx.torch_threads = int(threads.group(1)) if threads else 1
         meta["torch_threads"] = ctx.torch_threads
+        shipped_config = (ctx.triton.repository / "classifier/config.pbtxt").read_text()
+        meta["classifier_config"] = describe_classifier_config(shipped_config)
+        preferred = re.search(r"preferred_batch_size: \[([^\]]*)\]", shipped_config)
+        meta["policy_max_batch"] = max(int(b) for b in preferred.group(1).split(",")) if preferred else 1
         log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}")
         results["classification"] = measure_classification(ctx, params)
         results["hiding"] = measure_latency_hiding(ctx, params)
