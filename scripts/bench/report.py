@@ -98,6 +98,10 @@ def _plots(results, plots_dir):
         ax_l.set_xlabel("concurrency")
         ax_l.set_ylabel("latency (ms)")
         ax_l.set_xscale("log", base=2)
+        for ax in (ax_t, ax_l):
+            ax.set_xticks(conc)
+            ax.set_xticklabels([str(c) for c in conc])
+            ax.minorticks_off()
         ax_l.set_ylim(bottom=0)
         ax_l.legend()
         ax_l.grid(alpha=0.3)
@@ -320,10 +324,17 @@ def write(results, out_path, plots_dir):
     add(f"| direct upstream call | {_f(d['direct']['p50_ms'], 2)} | {_f(d['direct']['p99_ms'], 2)} |")
     add(f"| **overhead** | **{_f(d['overhead_p50_ms'], 2)}** | {_f(d['overhead_p99_ms'], 2)} |\n")
     if d.get("bench_describe"):
-        add(f"`scripts/bench_describe.py` ran in the same run (exit {d['bench_describe']['rc']}); its output:\n")
-        add("```")
-        add(d["bench_describe"]["output"].rstrip())
-        add("```\n")
+        output = d["bench_describe"]["output"].rstrip()
+        add(f"`scripts/bench_describe.py` (default settings: its own fake upstream and server, upstream latency "
+            f"0 ms and 1 s, 512 in flight) ran in the same run, exit {d['bench_describe']['rc']}:\n")
+        table = [line for line in output.splitlines() if line.startswith("|")]
+        if table and d["bench_describe"]["rc"] == 0:
+            lines.extend(table)
+            add("")
+        else:
+            add("```")
+            add(output)
+            add("```\n")
 
     # 4
     p = results["patterns"]

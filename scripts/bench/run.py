@@ -169,7 +169,7 @@ def run_bench_describe(ctx, p):
     if not script.exists() or ctx.mode != "full":
         return None
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=240)
+        done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=420)
     except subprocess.TimeoutExpired:
         return {"rc": "timeout", "output": ""}
     return {"rc": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
@@ -316,7 +316,16 @@ def main(argv=None):
     parser.add_argument("--plots", type=pathlib.Path, help="plot folder (default: docs/plots for full)")
     parser.add_argument("--results", type=pathlib.Path, help="also write the raw results as JSON here")
     parser.add_argument("--keep-workdir", action="store_true")
+    parser.add_argument("--render", type=pathlib.Path, metavar="RESULTS_JSON",
+                        help="measure nothing: write the report and plots again from a run's --results file")
     args = parser.parse_args(argv)
+    if args.render:
+        results = json.loads(args.render.read_text())
+        _int_keys(results)
+        mode = results["meta"]["mode"]
+        out = args.out or (REPO / "docs/benchmarks.md" if mode == "full" else REPO / f"build/bench/{mode}/benchmarks.md")
+        print(report.write(results, out, args.plots or (REPO / "docs/plots" if mode == "full" else out.parent / "plots")))
+        return
     if not harness.PERF_ANALYZER.exists():
         sys.exit(f"bench: {harness.PERF_ANALYZER} is missing; run `make perf-analyzer`")
 
@@ -384,6 +393,15 @@ def main(argv=None):
         f"{meta['duration_s']:.0f}s in all")
     if not args.keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _int_keys(results):
+    """JSON turned the integer keys (batch sizes, concurrencies) into strings."""
+    for pair in results.get("classification", []):
+        for key in ("e2e", "forward"):
+            pair["inprocess"][key] = {int(k): v for k, v in pair["inprocess"][key].items()}
+    for row in results.get("tuning", []):
+        row["results"] = {int(k): v for k, v in row["results"].items()}
 
 
 if __name__ == "__main__":
