@@ -16,7 +16,9 @@ What it does, all on 127.0.0.1, all stopped by this script (by PID) at the end:
      load balancer with a generated config (Debian's nginx; unpacked into
      build/nginx when it is not installed, so no system service is started);
      after --stop-after-s it sends SIGTERM to replica A's PID, waits for it to
-     exit, starts it again and waits until it is ready, while the load goes on;
+     exit, starts it again and waits until it is ready, while the load goes on
+     (--drain-s N first takes A out of nginx for N seconds, the order Kubernetes
+     uses: endpoint removal, preStop sleep, then SIGTERM);
   4. reports requests sent, answered and failed (expected 0), nginx retries,
      latency before / during / after the restart, and the LLM calls made.
 Exit status: 0 when every request was answered, 1 otherwise.
@@ -180,7 +182,7 @@ http {{
     upstream triton {{
         # Passive health check: one failed attempt takes a replica out for 2 s,
         # then one request probes it again.
-        server 127.0.0.1:{a} max_fails=1 fail_timeout=2s;
+        server 127.0.0.1:{a} max_fails=1 fail_timeout=2s{a_down};
         server 127.0.0.1:{b} max_fails=1 fail_timeout=2s;
         keepalive 32;
         # Triton waits, up to --exit-timeout-secs, for open HTTP connections to
@@ -208,30 +210,46 @@ http {{
 """
 
 
-def start_nginx(started, workdir, upstream_ports):
-    binary = find_or_unpack_nginx()
-    for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (workdir / "tmp" / name).mkdir(parents=True, exist_ok=True)
-    if os.geteuid() == 0:  # workers drop to nobody: let them write their temp files
-        os.chmod(workdir, 0o755)
-        for path in (workdir / "tmp").rglob("*"):
-            os.chmod(path, 0o777)
-    port = free_port()
-    conf = workdir / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=workdir, a=upstream_ports[0], b=upstream_ports[1], port=port))
-    check = subprocess.run([binary, "-t", "-p", str(workdir), "-c", str(conf), "-e", str(workdir / "nginx-error.log")],
-                           capture_output=True, text=True)
-    if check.returncode != 0:
-        raise SystemExit(f"rehearse: nginx rejected its config:\n{check.stderr}")
-    process = started.start("nginx", [binary, "-p", str(workdir), "-c", str(conf),
-                                      "-e", str(workdir / "nginx-error.log")],
-                            workdir / "nginx.out")
-    deadline = time.monotonic() + 10
-    while http_status(f"http://127.0.0.1:{port}/v2/health/live") != 200:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"rehearse: nginx did not come up; see {workdir}/nginx-error.log")
-        time.sleep(0.1)
-    return port, process
+class Nginx:
+    """nginx in the foreground as our child, on a generated config in the work dir."""
+
+    def __init__(self, started, workdir, upstream_ports):
+        self.binary = find_or_unpack_nginx()
+        self.workdir = workdir
+        self.upstream_ports = upstream_ports
+        self.port = free_port()
+        self.conf = workdir / "nginx.conf"
+        for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (workdir / "tmp" / name).mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:  # workers drop to nobody: let them write their temp files
+            os.chmod(workdir, 0o755)
+            for path in (workdir / "tmp").rglob("*"):
+                os.chmod(path, 0o777)
+        self.write_conf(a_down=False)
+        self.process = started.start("nginx", self.argv(), workdir / "nginx.out")
+        deadline = time.monotonic() + 10
+        while http_status(f"http://127.0.0.1:{self.port}/v2/health/live") != 200:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"rehearse: nginx did not come up; see {workdir}/nginx-error.log")
+            time.sleep(0.1)
+
+    def argv(self, *extra):
+        return [self.binary, "-p", str(self.workdir), "-c", str(self.conf),
+                "-e", str(self.workdir / "nginx-error.log"), *extra]
+
+    def write_conf(self, a_down):
+        self.conf.write_text(NGINX_CONF.format(
+            dir=self.workdir, a=self.upstream_ports[0], b=self.upstream_ports[1], port=self.port,
+            a_down=" down" if a_down else ""))
+        check = subprocess.run(self.argv("-t"), capture_output=True, text=True)
+        if check.returncode != 0:
+            raise SystemExit(f"rehearse: nginx rejected its config:\n{check.stderr}")
+
+    def set_a_down(self, down):
+        """What removing a pod from the Service endpoints does: a graceful reload
+        (old workers finish their requests, then close their upstream connections)."""
+        self.write_conf(a_down=down)
+        self.process.send_signal(signal.SIGHUP)
 
 
 # -- load --------------------------------------------------------------------------
@@ -260,6 +278,7 @@ class Tally:
         self.answered = 0
         self.failures = {}
         self.sources = {}
+        self.client_retries = 0
         self.records = []  # (start time, latency ms, ok)
 
     def add(self, started_at, latency_ms, result=None, error=None):
@@ -289,14 +308,28 @@ def percentiles(values):
             "max_ms": round(ordered[-1], 1), "mean_ms": round(statistics.fmean(ordered), 1)}
 
 
-async def one_request(client, tally, image, prompt):
+async def one_request(client, tally, image, prompt, retries=0):
+    """One request; with `retries`, resend it after a connection-level error only
+    (the connection broke before an answer came: e.g. a kept-alive connection the
+    load balancer was closing on a reload). An answer from the server, error or
+    not, is never resent."""
+    import aiohttp
+
     started_at = time.monotonic()
-    try:
-        result = await client.infer(image, prompt=prompt)
-    except Exception as error:  # noqa: BLE001 - every failure counts, whatever its kind
-        tally.add(started_at, (time.monotonic() - started_at) * 1e3, error=error)
+    for attempt in range(retries + 1):
+        try:
+            result = await client.infer(image, prompt=prompt)
+        except aiohttp.ClientConnectionError as error:
+            if attempt < retries:
+                tally.client_retries += 1
+                continue
+            tally.add(started_at, (time.monotonic() - started_at) * 1e3, error=error)
+            return
+        except Exception as error:  # noqa: BLE001 - every failure counts, whatever its kind
+            tally.add(started_at, (time.monotonic() - started_at) * 1e3, error=error)
+            return
+        tally.add(started_at, (time.monotonic() - started_at) * 1e3, result=result)
         return
-    tally.add(started_at, result.latency_ms, result=result)
 
 
 async def closed_loop(url, images, concurrency, seconds, tag):
@@ -316,7 +349,7 @@ async def closed_loop(url, images, concurrency, seconds, tag):
     return tally, elapsed
 
 
-async def open_loop(url, images, rate, seconds, max_in_flight, tag, during=None):
+async def open_loop(url, images, rate, seconds, max_in_flight, tag, during=None, retries=0):
     """Requests start on a fixed schedule (rate/s), whether or not earlier ones are done:
     a restart shows up as latency and failures, not as a slower sender."""
     tally = Tally()
@@ -330,7 +363,8 @@ async def open_loop(url, images, rate, seconds, max_in_flight, tag, during=None)
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one_request(
-                client, tally, images[index % len(images)], f"{tag} request {index}: describe it")))
+                client, tally, images[index % len(images)], f"{tag} request {index}: describe it",
+                retries)))
         await asyncio.gather(*tasks)
         side = await side_task if side_task else None
     return tally, started, side
@@ -348,6 +382,12 @@ def metric_sum(port, name, model):
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
+def compute_queue_us(port):
+    """Queue time of the two compute steps, summed (the HPA's triton_compute_queue_us)."""
+    return sum(metric_sum(port, "nv_inference_queue_duration_us", model) or 0
+               for model in ("preprocess", "classifier"))
+
+
 def nginx_retries(access_log):
     retried = 0
     lines = access_log.read_text().splitlines() if access_log.exists() else []
@@ -361,13 +401,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity-s", type=float, default=10,
                         help="closed-loop measurement on one replica, per concurrency level")
-    parser.add_argument("--concurrency", default="8,16",
+    parser.add_argument("--concurrency", default="8,16,24",
                         help="closed-loop requests in flight, comma-separated levels (throughput that stops "
                              "growing with concurrency is the replica's capacity)")
-    parser.add_argument("--failover-s", type=float, default=50, help="open-loop load through nginx")
+    parser.add_argument("--failover-s", type=float, default=60, help="open-loop load through nginx")
     parser.add_argument("--stop-after-s", type=float, default=8, help="SIGTERM replica A this far into the failover load")
     parser.add_argument("--rate", type=float, default=None,
                         help="failover load in requests/s (default: half the measured per-replica throughput)")
+    parser.add_argument("--drain-s", type=float, default=0,
+                        help="take replica A out of nginx this long before its SIGTERM, as Kubernetes' "
+                             "endpoint removal + preStop sleep do (default 0: SIGTERM while it gets "
+                             "traffic; nginx retries what it refuses)")
+    parser.add_argument("--client-retries", type=int, default=1,
+                        help="resend a request whose connection broke before any answer (default 1; "
+                             "0 shows what nginx alone covers)")
     parser.add_argument("--llm-latency-ms", type=float, default=300, help="the fake LLM's answer time")
     parser.add_argument("--max-in-flight", type=int, default=64, help="client cap on open-loop requests in flight")
     parser.add_argument("--result-json", type=pathlib.Path, default=REPO / "build/rehearsal/result.json")
@@ -409,32 +456,39 @@ def main():
         asyncio.run(closed_loop(url_a, images, levels[0], 3, "warmup"))
         report["capacity_one_replica"] = []
         for level in levels:
-            queue_before = metric_sum(replicas[0].metrics, "nv_inference_queue_duration_us", "classifier")
+            queue_before = compute_queue_us(replicas[0].metrics)
             tally, elapsed = asyncio.run(closed_loop(url_a, images, level, args.capacity_s, f"capacity{level}"))
-            queue_after = metric_sum(replicas[0].metrics, "nv_inference_queue_duration_us", "classifier")
+            queue_after = compute_queue_us(replicas[0].metrics)
             point = {
                 "concurrency": level, "seconds": round(elapsed, 1), "sent": tally.sent,
                 "answered": tally.answered, "failed": tally.failed,
                 "throughput_rps": round(tally.answered / elapsed, 2),
                 "latency": percentiles([r[1] for r in tally.records if r[2]]),
-                "classifier_queue_ms_per_request": round(
+                # What the HPA's custom metric reads (deploy/monitoring/prometheus-adapter-values.yaml).
+                "compute_queue_ms_per_request": round(
                     (queue_after - queue_before) / 1e3 / max(tally.answered, 1), 1),
             }
             report["capacity_one_replica"].append(point)
             log(f"one replica, closed loop x{level}: {point['throughput_rps']} req/s, latency {point['latency']}, "
-                f"classifier queue {point['classifier_queue_ms_per_request']} ms/request")
+                f"preprocess+classifier queue {point['compute_queue_ms_per_request']} ms/request")
             if tally.failed:
                 log(f"capacity phase failures: {tally.failures}")
         throughput = max(point["throughput_rps"] for point in report["capacity_one_replica"])
 
         # Failover under load, through nginx.
-        nginx_port, _ = start_nginx(started, workdir, [r.http for r in replicas])
+        nginx = Nginx(started, workdir, [r.http for r in replicas])
+        nginx_port = nginx.port
         rate = args.rate or max(1.0, round(throughput / 2, 1))
         timeline = {}
 
         async def stop_and_restart_a():
             await asyncio.sleep(args.stop_after_s)
             replica = replicas[0]
+            if args.drain_s:
+                timeline["drained_s"] = round(time.monotonic() - load_start[0], 1)
+                log(f"draining replica A: marked down in nginx, SIGTERM in {args.drain_s} s")
+                nginx.set_a_down(True)
+                await asyncio.sleep(args.drain_s)
             timeline["sigterm_s"] = round(time.monotonic() - load_start[0], 1)
             log(f"SIGTERM to replica A (pid {replica.process.pid})")
             status = await asyncio.to_thread(replica.terminate)
@@ -445,26 +499,37 @@ def main():
             replica.start()
             await asyncio.to_thread(replica.wait_ready)
             timeline["ready_again_s"] = round(time.monotonic() - load_start[0], 1)
+            if args.drain_s:
+                nginx.set_a_down(False)
             log("replica A ready again")
 
         load_start = [time.monotonic()]
         log(f"failover: {rate} req/s for {args.failover_s:.0f} s through nginx on 127.0.0.1:{nginx_port}")
         tally, t0, _ = asyncio.run(open_loop(f"127.0.0.1:{nginx_port}", images, rate, args.failover_s,
-                                             args.max_in_flight, "failover", during=stop_and_restart_a))
+                                             args.max_in_flight, "failover", during=stop_and_restart_a,
+                                             retries=args.client_retries))
         stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{llm_port}/_admin/stats", timeout=5))
         nginx_requests, retried = nginx_retries(workdir / "nginx-access.log")
 
         def window(lo, hi):
             return percentiles([lat for at, lat, good in tally.records if good and lo <= at - t0 < hi])
 
-        stop_at, ready_at = timeline.get("sigterm_s", 0), timeline.get("ready_again_s", args.failover_s)
+        end = 10**9
+        stop_at = timeline.get("sigterm_s", end)
+        exited_at = timeline.get("exited_s", end)
+        ready_at = timeline.get("ready_again_s", end)
         report["failover"] = {
             "rate_rps": rate, "seconds": args.failover_s, "sent": tally.sent, "answered": tally.answered,
             "failed": tally.failed, "failures": tally.failures, "description_source": tally.sources,
+            "client_retries": tally.client_retries,
             "timeline_s": timeline, "nginx_requests": nginx_requests, "nginx_retried_on_other_replica": retried,
+            # Windows by when a request started. On this host the replicas share the
+            # CPUs: while A stops, B has them all; while A starts again, its model
+            # loading and warmup compete with B (on a cluster they would not).
             "latency_before_stop": window(0, stop_at),
-            "latency_one_replica_down": window(stop_at, ready_at),
-            "latency_after_restart": window(ready_at, 10**9),
+            "latency_a_stopping": window(stop_at, exited_at),
+            "latency_a_starting": window(exited_at, ready_at),
+            "latency_after_restart": window(ready_at, end),
             "llm_calls": stats.get("requests"), "llm_max_in_flight": stats.get("max_in_flight"),
         }
         ok = tally.failed == 0 and tally.sent == tally.answered and "ready_again_s" in timeline
@@ -484,7 +549,7 @@ def main():
     failover = report["failover"]
     print(f"\nrehearse: requests sent {failover['sent']}, answered {failover['answered']}, "
           f"failed {failover['failed']} (expected 0); nginx resent {failover['nginx_retried_on_other_replica']} "
-          f"to the other replica; per-replica throughput {throughput:.1f} req/s "
+          f"to the other replica, the client resent {failover['client_retries']}; per-replica throughput {throughput:.1f} req/s "
           f"-> {args.result_json.relative_to(REPO) if args.result_json.is_relative_to(REPO) else args.result_json}")
     return 0 if ok else 1
 
