@@ -35,17 +35,17 @@ REPO = harness.REPO
 # the Python clients by their duration.
 MODES = {
     "smoke": dict(window_ms=1000, trials=3, repeats=1, inproc_s=0.3, inproc_batches="1,2",
-                  classify_c=2, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
+                  classify_c=2, hiding_abba=False, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
                   describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_s=1.5, warmup_s=0.5,
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
                   tuning=("threads_2",), tuning_c=(2,)),
     "quick": dict(window_ms=1500, trials=3, repeats=1, inproc_s=1.5, inproc_batches="1,2,4",
-                  classify_c=4, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
+                  classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
                   describe_n=100, pattern_latency_ms=200, pattern_c=16, pattern_s=5.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=()),
     "full": dict(window_ms=3000, trials=3, repeats=2, inproc_s=4.0, inproc_batches="1,2,4,8",
-                 classify_c=4, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
+                 classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_s=10.0, warmup_s=2.0,
                  classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
                  ensemble_sweep_latency_ms=200,
@@ -134,8 +134,10 @@ def measure_latency_hiding(ctx, p):
                                        p["cover_max_c"])
     log(f"ensemble 0 ms at c={p['cover_base_c']}: {probe['throughput']:.1f}/s -> "
         f"concurrency {concurrency} covers {p['cover_latency_ms']} ms")
-    runs = {}
-    for latency in (0, p["cover_latency_ms"]):
+    # Turns A B (B A): with two repeats, a drift in the machine's load weighs on both sides alike.
+    order = (0, p["cover_latency_ms"]) + ((p["cover_latency_ms"], 0) if p["hiding_abba"] else ())
+    turns = []
+    for latency in order:
         ctx.llm.set_latency(latency)
         llm_before, before = ctx.llm.stats()["requests"], ctx.triton.stats()
         # A window several times the expected latency (queueing included), so that
@@ -147,11 +149,15 @@ def measure_latency_hiding(ctx, p):
         result["upstream_calls"] = ctx.llm.stats()["requests"] - llm_before
         result["triton_requests"] = delta.get("classify_and_describe", {}).get("count", 0)
         result["stats"] = delta
-        runs[latency] = result
+        result["llm_latency_ms"] = latency
+        turns.append(result)
         log(f"ensemble {latency} ms at c={concurrency}: {result['throughput']:.1f}/s, p50 {result['p50_ms']:.0f} ms")
     ctx.llm.set_latency(0)
+    fast = [t for t in turns if t["llm_latency_ms"] == 0]
+    slow = [t for t in turns if t["llm_latency_ms"] != 0]
+    ratio = sum(t["throughput"] for t in slow) / max(sum(t["throughput"] for t in fast), 1e-9)
     return {"concurrency": concurrency, "latency_ms": p["cover_latency_ms"], "probe": probe,
-            "fast": runs[0], "slow": runs[p["cover_latency_ms"]]}
+            "fast": fast[0], "slow": slow[0], "turns": turns, "ratio": ratio}
 
 
 def measure_describe_overhead(ctx, p):
