@@ -124,6 +124,10 @@ class Replica:
         self.env = dict(os.environ, HTTP_PORT=str(self.http), GRPC_PORT=str(self.grpc),
                         METRICS_PORT=str(self.metrics), LLM_BASE_URL=llm_url,
                         LLM_API_KEY=FAKE_KEY, **env_extra)
+        # Loopback only (Triton listens on 0.0.0.0 by default).
+        self.env["TRITON_EXTRA_ARGS"] = " ".join(
+            [self.env.get("TRITON_EXTRA_ARGS", ""), "--http-address=127.0.0.1",
+             "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]).strip()
         self.process = None
 
     def start(self):
