@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import aiohttp
 import httpx2
 import openai
+from openai.types.chat import ChatCompletion
 
 from accounting import Usage, cost_usd, tokens_from
 from llm_cache import LRUCache, cache_key
@@ -165,9 +166,14 @@ class Describer:
         self.observer.in_flight(self._in_flight)
         try:
             timeout = max(0.001, min(job.timeout_s, deadline - self._clock()))
-            call = self.client.chat.completions.create(
-                model=job.model, messages=messages, max_tokens=job.max_tokens,
-                temperature=job.temperature, timeout=timeout)
+            # The SDK's generic post() with the typed ChatCompletion result: same
+            # auth, errors and parsing as chat.completions.create(), without its
+            # per-call TypedDict transform of the body (about 1 ms of CPU per call
+            # here, on the path of every request).
+            call = self.client.post(
+                "/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
+                body={"model": job.model, "messages": messages, "max_tokens": job.max_tokens,
+                      "temperature": job.temperature})
             return await self._wait(asyncio.ensure_future(call), timeout, is_cancelled)
         finally:
             self._slots.release()

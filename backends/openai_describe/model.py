@@ -67,6 +67,7 @@ class TritonPythonModel:
             return Describer(s, client, self.scrub, self.metrics, self.log)
 
         self.describer = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
+        self.flusher = asyncio.run_coroutine_threadsafe(self._flush_metrics(), self.loop)
         self.log.info(
             f"upstream {s.base_url} model {s.model}; key from {key_source}: "
             f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
@@ -103,6 +104,8 @@ class TritonPythonModel:
                     task.cancel()  # each still sends its response (UNAVAILABLE)
                 if pending:
                     await asyncio.wait(pending, timeout=5.0)
+            self.flusher.cancel()
+            self.metrics.flush()
             await self.describer.aclose()
 
         try:
@@ -114,6 +117,14 @@ class TritonPythonModel:
         self.loop.close()
 
     # -- on the loop thread -----------------------------------------------------------
+
+    async def _flush_metrics(self):
+        while True:
+            await asyncio.sleep(self.metrics.FLUSH_S)
+            try:
+                self.metrics.flush()
+            except Exception as exc:  # metrics must never take the model down
+                self.log.error(f"metrics flush failed: {self.scrub(exc)}")
 
     def _start(self, accepted):
         for request, jobs in accepted:
@@ -223,7 +234,15 @@ class _Log:
 
 class _Metrics(Observer):
     """Prometheus metrics through pb_utils.MetricFamily, labelled with the Triton
-    model and version; per-upstream-model series are created on first use."""
+    model and version; per-upstream-model series are created on first use.
+
+    Every Metric call is a round trip to the Triton process. About ten per
+    request cost more than the request itself at 500 requests/s, so updates
+    are buffered here and written by `flush()` every FLUSH_S seconds (counters
+    summed, gauges at their latest value, histogram observations replayed).
+    """
+
+    FLUSH_S = 0.25
 
     def __init__(self, labels):
         self.labels = labels
@@ -253,37 +272,64 @@ class _Metrics(Observer):
         self.cache_hit = lookups.Metric(labels=dict(labels, result="hit"))
         self.cache_miss = lookups.Metric(labels=dict(labels, result="miss"))
         self._series = {}
-        for outcome in OUTCOMES:  # created up front: both threads count outcomes
+        self._lock = threading.Lock()  # the model thread counts rejected requests too
+        self._counts, self._gauges, self._observations = {}, {}, []
+        for outcome in OUTCOMES:  # created up front, so every outcome shows from the start
             self._metric(self.requests, outcome=outcome)
 
     def _metric(self, family, buckets=None, **extra):
         key = (id(family), tuple(sorted(extra.items())))
         metric = self._series.get(key)
         if metric is None:
-            labels = dict(self.labels, **extra)
-            metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
-            self._series[key] = metric
+            with self._lock:
+                metric = self._series.get(key)
+                if metric is None:
+                    labels = dict(self.labels, **extra)
+                    metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+                    self._series[key] = metric
         return metric
 
+    def _add(self, metric, value):
+        with self._lock:
+            self._counts[metric] = self._counts.get(metric, 0) + value
+
+    def _set(self, metric, value):
+        with self._lock:
+            self._gauges[metric] = value
+
+    def flush(self):
+        with self._lock:
+            counts, gauges, observations = self._counts, self._gauges, self._observations
+            self._counts, self._gauges, self._observations = {}, {}, []
+        for metric, value in counts.items():
+            metric.increment(value)
+        for metric, value in gauges.items():
+            metric.set(value)
+        for metric, value in observations:
+            metric.observe(value)
+
+    # -- Observer ------------------------------------------------------------------
+
     def request_done(self, model, outcome, usage):
-        self._metric(self.requests, outcome=outcome).increment(1)
+        self._add(self._metric(self.requests, outcome=outcome), 1)
         if usage is not None and usage.total_tokens:
-            self._metric(self.prompt_tokens, upstream_model=model).increment(usage.prompt_tokens)
-            self._metric(self.completion_tokens, upstream_model=model).increment(usage.completion_tokens)
-            self._metric(self.cost, upstream_model=model).increment(usage.cost_usd)
+            self._add(self._metric(self.prompt_tokens, upstream_model=model), usage.prompt_tokens)
+            self._add(self._metric(self.completion_tokens, upstream_model=model), usage.completion_tokens)
+            self._add(self._metric(self.cost, upstream_model=model), usage.cost_usd)
 
     def attempt_done(self, model, latency_s, reason):
-        self._metric(self.latency, buckets=LATENCY_BUCKETS_S, upstream_model=model, result=reason) \
-            .observe(latency_s)
+        metric = self._metric(self.latency, buckets=LATENCY_BUCKETS_S, upstream_model=model, result=reason)
+        with self._lock:
+            self._observations.append((metric, latency_s))
 
     def in_flight(self, count):
-        self.in_flight_gauge.set(count)
+        self._set(self.in_flight_gauge, count)
 
     def queued(self, count):
-        self.queued_gauge.set(count)
+        self._set(self.queued_gauge, count)
 
     def circuit(self, model, state):
-        self._metric(self.circuit_state, upstream_model=model).set(CIRCUIT_STATE_VALUE[state])
+        self._set(self._metric(self.circuit_state, upstream_model=model), CIRCUIT_STATE_VALUE[state])
 
     def cache(self, hit):
-        (self.cache_hit if hit else self.cache_miss).increment(1)
+        self._add(self.cache_hit if hit else self.cache_miss, 1)

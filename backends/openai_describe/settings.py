@@ -57,7 +57,9 @@ class Settings:
     circuit_failure_threshold: int = 5
     circuit_cooldown_s: float = 10.0
     max_in_flight: int = 1024
-    cancel_poll_s: float = 0.5
+    # How often an in-flight request asks Triton whether the client cancelled it
+    # (each ask is a round trip to the server process).
+    cancel_poll_s: float = 1.0
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     default_prompt: str = "Describe this object in detail"

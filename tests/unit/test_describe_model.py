@@ -52,7 +52,8 @@ def outputs(response):
     return {name: response.output(name)[0][0].decode() for name in ("DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")}
 
 
-def metric(pb_utils, family, **labels):
+def metric(model, pb_utils, family, **labels):
+    model.metrics.flush()  # updates are buffered between flushes
     for m in pb_utils.MetricFamily.families[family].metrics:
         if all(m.labels.get(k) == v for k, v in labels.items()):
             return m.value()
@@ -78,9 +79,9 @@ def test_execute_returns_none_and_answers_through_the_sender(fake_pb_utils_modul
         assert usage["model"] == "gpt-4o-mini" and usage["total_tokens"] > 0 and usage["cost_usd"] > 0
         assert all(r.get_response_sender().flags == [pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL] for r in reqs)
         assert fake.stats()["last_authorization"] == f"Bearer {KEY}"
-        assert metric(pb_utils, "describe_requests_total", outcome="ok") == 2
-        assert metric(pb_utils, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
-        assert metric(pb_utils, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
+        assert metric(model, pb_utils, "describe_requests_total", outcome="ok") == 2
+        assert metric(model, pb_utils, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
+        assert metric(model, pb_utils, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
     finally:
         model.finalize()
     assert not model.thread.is_alive()
@@ -173,7 +174,7 @@ def test_cancelled_requests_get_a_cancelled_error(fake_pb_utils_module, fake, mo
         threading.Timer(0.2, lambda: setattr(req, "cancelled", True)).start()
         response = req.get_response_sender().wait(timeout=3)
         assert response.error().code() == pb_utils.TritonError.CANCELLED
-        assert metric(pb_utils, "describe_requests_total", outcome="cancelled") >= 1
+        assert metric(model, pb_utils, "describe_requests_total", outcome="cancelled") >= 1
     finally:
         fake.set_mode("ok")
         model.finalize()
