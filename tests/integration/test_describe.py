@@ -80,7 +80,9 @@ def describe(client, prompt=None, **parameters):
 
 
 def metric_value(triton, name, **labels):
-    """Sum of the samples of `name` whose labels include `labels`."""
+    """Sum of the samples of `name` whose labels include `labels`. The model
+    writes its metrics every 0.25 s: wait for one write before reading."""
+    time.sleep(0.3)
     total, found = 0.0, False
     for line in triton.metrics().splitlines():
         match = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
