@@ -14,7 +14,7 @@ NO_RETRY_STATUS = {400, 401, 403, 404, 422}
 class Failure:
     """What went wrong with one upstream attempt, in words safe to log and return."""
 
-    reason: str               # short code: http_429, timeout, connection_error, ...
+    reason: str               # short code: rate_limited_http_429, timeout, connection_error, ...
     retryable: bool
     retry_after_s: float = None  # from the Retry-After header, when the upstream sent one
     # Whether the failure says something about the upstream's health
@@ -22,13 +22,27 @@ class Failure:
     upstream_fault: bool = True
 
 
+# What a status means to the operator reading USAGE.fallback_reason or the metrics.
+STATUS_MEANING = {
+    400: "bad_request", 401: "authentication_failed", 403: "permission_denied",
+    404: "model_or_endpoint_not_found", 408: "upstream_timeout", 422: "bad_request",
+    429: "rate_limited",
+}
+
+
+def status_reason(status):
+    meaning = STATUS_MEANING.get(status, "upstream_error" if status >= 500 else "unexpected_status")
+    return f"{meaning}_http_{status}"
+
+
 def classify_status(status, headers=None):
     retry_after = parse_retry_after(headers or {})
+    reason = status_reason(status)
     if status in NO_RETRY_STATUS:
-        return Failure(f"http_{status}", retryable=False, upstream_fault=False)
+        return Failure(reason, retryable=False, upstream_fault=False)
     if status == 429 or status == 408 or status == 409 or status >= 500:
-        return Failure(f"http_{status}", retryable=True, retry_after_s=retry_after)
-    return Failure(f"http_{status}", retryable=False, upstream_fault=False)
+        return Failure(reason, retryable=True, retry_after_s=retry_after)
+    return Failure(reason, retryable=False, upstream_fault=False)
 
 
 def parse_retry_after(headers, now=None):

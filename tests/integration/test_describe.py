@@ -159,7 +159,7 @@ def test_429_is_retried_after_retry_after(client, fake_llm, triton):
     assert metric_value(triton, "describe_requests_total", outcome="retried") == retried_before + 1
 
 
-@pytest.mark.parametrize("mode, reason", [("500", "http_500"), ("malformed", "malformed_response"),
+@pytest.mark.parametrize("mode, reason", [("500", "upstream_error_http_500"), ("malformed", "malformed_response"),
                                           ("drop", "connection_error")])
 def test_upstream_failures_are_retried_then_fall_back(client, fake_llm, mode, reason):
     before = stats(fake_llm)["requests"]
@@ -175,7 +175,7 @@ def test_401_is_not_retried_and_the_key_never_leaks(client, fake_llm, triton):
     before = stats(fake_llm)["requests"]
     fake_llm.admin("mode", {"mode": "401"})  # the fake echoes the key back, as providers do
     text, source, usage = describe(client, unique(), model="gpt-4o-mini-it-401")
-    assert source == "fallback" and usage["fallback_reason"] == "http_401" and usage["attempts"] == 1
+    assert source == "fallback" and usage["fallback_reason"] == "authentication_failed_http_401" and usage["attempts"] == 1
     assert stats(fake_llm)["requests"] - before == 1
     log = triton.log()
     assert "Incorrect API key provided" in log  # the failure was logged ...

@@ -121,12 +121,12 @@ def test_a_retry_after_beyond_the_limit_falls_back_at_once():
         fake.set_mode("429", retry_after=30)
         started = time.monotonic()
         r = await d.describe(job())
-        assert r.usage.fallback_reason == "http_429" and r.usage.attempts == 1
+        assert r.usage.fallback_reason == "rate_limited_http_429" and r.usage.attempts == 1
         assert time.monotonic() - started < 1
     run(test, max_retry_after_s="5")
 
 
-@pytest.mark.parametrize("mode, reason", [("500", "http_500"), ("malformed", "malformed_response"),
+@pytest.mark.parametrize("mode, reason", [("500", "upstream_error_http_500"), ("malformed", "malformed_response"),
                                           ("drop", "connection_error")])
 def test_server_errors_are_retried_then_fall_back(mode, reason):
     async def test(fake, d, obs, log):
@@ -146,7 +146,7 @@ def test_client_errors_are_not_retried_and_the_key_is_never_logged(status):
     async def test(fake, d, obs, log):
         fake.set_mode(status)
         r = await d.describe(job())
-        assert r.usage.fallback_reason == "http_401" and r.usage.attempts == 1 and fake.stats["requests"] == 1
+        assert r.usage.fallback_reason == "authentication_failed_http_401" and r.usage.attempts == 1 and fake.stats["requests"] == 1
         assert log.lines and "Incorrect API key" in log.lines[-1]
         assert not any("1234567890" in line for line in log.lines)
     run(test)
@@ -191,7 +191,7 @@ def test_circuit_opens_stops_calling_then_probes_and_closes():
         assert r.usage.fallback_reason == "circuit_open" and r.usage.attempts == 0
         assert fake.stats["requests"] == 3
         other = await d.describe(job("c", model="gpt-4o-mini-other"))  # one circuit per upstream model
-        assert other.usage.fallback_reason == "http_500"
+        assert other.usage.fallback_reason == "upstream_error_http_500"
         fake.set_mode("ok")
         await asyncio.sleep(0.35)
         assert (await d.describe(job("d"))).source == "llm"  # the half-open probe closes it
@@ -216,7 +216,7 @@ def test_on_failure_error_returns_no_description():
     async def test(fake, d, obs, log):
         fake.set_mode("500")
         r = await d.describe(job())
-        assert r.outcome == "error" and r.usage.fallback_reason == "http_500"
+        assert r.outcome == "error" and r.usage.fallback_reason == "upstream_error_http_500"
     run(test, on_failure="error")
 
 

@@ -26,7 +26,8 @@ class Clock:
 def test_client_errors_are_not_retried_and_do_not_trip_the_circuit():
     for status in (400, 401, 403, 404):
         failure = classify_status(status)
-        assert not failure.retryable and not failure.upstream_fault and failure.reason == f"http_{status}"
+        assert not failure.retryable and not failure.upstream_fault and failure.reason.endswith(f"_http_{status}")
+    assert classify_status(401).reason == "authentication_failed_http_401"
     for status in (429, 500, 502, 503):
         assert classify_status(status).retryable and classify_status(status).upstream_fault
 

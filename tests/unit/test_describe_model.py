@@ -188,7 +188,7 @@ def test_the_key_never_reaches_logs_or_outputs(fake_pb_utils_module, fake, monke
         req = request(pb_utils)
         model.execute([req])
         out = outputs(req.get_response_sender().wait())
-        assert json.loads(out["USAGE"])["fallback_reason"] == "http_401"
+        assert json.loads(out["USAGE"])["fallback_reason"] == "authentication_failed_http_401"
         assert any("Incorrect API key" in m for _, m in pb_utils.Logger.records)
         everything = json.dumps(out) + json.dumps(pb_utils.Logger.records)
         assert "0987654321" not in everything
