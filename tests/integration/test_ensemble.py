@@ -224,3 +224,19 @@ def test_command_line(triton, photos, llm, tmp_path):
     text = subprocess.run([sys.executable, "-m", "classify_describe", "--url", triton.http_url,
                            str(cat)], capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "description (" in text.stdout and "cost $" in text.stdout
+
+
+def test_request_parameters_reach_the_llm_step_through_the_ensemble(triton, photos, llm):
+    """Per-request overrides (model, temperature, max_tokens) pass through the ensemble."""
+    with Client(triton.http_url) as client:
+        result = client.infer(photos["coffee"], prompt=unique_prompt(),
+                              parameters={"model": "gpt-4o-mini-override", "temperature": 0.7,
+                                          "max_tokens": 64})
+    assert result.description_source == "llm" and result.usage["model"] == "gpt-4o-mini-override"
+    body = llm.admin("stats")["bodies"][-1]
+    assert body["model"] == "gpt-4o-mini-override"
+    assert body["temperature"] == 0.7 and body["max_tokens"] == 64
+
+    with Client(triton.http_url) as client, pytest.raises(TritonRequestError) as error:
+        client.infer(photos["coffee"], prompt=unique_prompt(), parameters={"temperature": 5.0})
+    assert "temperature" in str(error.value)
