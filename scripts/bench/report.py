@@ -342,8 +342,10 @@ def write(results, out_path, plots_dir):
     # 4
     p = results["patterns"]
     add("## 4. The ensemble vs the two-step client\n")
-    add(f"Same images, distinct prompts, concurrency {p['concurrency']}, {p['duration_s']:.0f} s each after a "
-        f"warm-up, fake upstream latency {p['latency_ms']} ms, in turn in the same run. Two-step: the client asks "
+    order = " ".join(p.get("order", ("ensemble", "two_step")))
+    add(f"Same images, distinct prompts, concurrency {p['concurrency']}, {p['duration_s']:.0f} s per turn after a "
+        f"warm-up, fake upstream latency {p['latency_ms']} ms, turns in the order {order} in the same run "
+        "(the table gives the mean over a pattern's turns). Two-step: the client asks "
         "Triton `classify`, then calls the LLM itself with the openai SDK (the same chat messages the describe "
         "model sends). Ensemble: one `classify_and_describe` request.\n")
     add("| pattern | throughput (req/s) | p50 ms | p99 ms | errors |")

@@ -44,7 +44,7 @@ MODES = {
                   describe_n=100, pattern_latency_ms=200, pattern_c=16, pattern_s=5.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=()),
-    "full": dict(window_ms=3000, trials=3, repeats=2, inproc_s=4.0, inproc_batches="1,2,4,8",
+    "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches="1,2,4,8",
                  classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_s=10.0, warmup_s=2.0,
                  classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
@@ -182,16 +182,24 @@ def run_bench_describe(ctx, p):
 
 
 def measure_patterns(ctx, p):
-    """Figure 4: the ensemble vs the two-step client, in turns, same images and load."""
+    """Figure 4: the ensemble vs the two-step client, in turns (A B, or A B B A), same images and load."""
     ctx.llm.set_latency(p["pattern_latency_ms"])
-    results = {}
-    for pattern in ("ensemble", "two_step"):
-        results[pattern] = clients.measure(pattern, ctx.triton.http_url, ctx.llm.base_url, ctx.images,
-                                           ctx.prompts, p["pattern_c"], p["pattern_s"], p["warmup_s"])
-        log(f"{pattern} c={p['pattern_c']}: {json.dumps(results[pattern])}")
+    order = ("ensemble", "two_step") + (("two_step", "ensemble") if p["hiding_abba"] else ())
+    turns = {"ensemble": [], "two_step": []}
+    for pattern in order:
+        result = clients.measure(pattern, ctx.triton.http_url, ctx.llm.base_url, ctx.images,
+                                 ctx.prompts, p["pattern_c"], p["pattern_s"], p["warmup_s"])
+        turns[pattern].append(result)
+        log(f"{pattern} c={p['pattern_c']}: {json.dumps(result)}")
     ctx.llm.set_latency(0)
+    results = {}
+    for pattern, runs in turns.items():
+        results[pattern] = {key: sum(run[key] for run in runs) / len(runs)
+                            for key in ("throughput", "p50_ms", "p99_ms", "mean_ms")}
+        results[pattern].update(count=sum(run["count"] for run in runs), errors=sum(run["errors"] for run in runs),
+                                turns=runs)
     return {"latency_ms": p["pattern_latency_ms"], "concurrency": p["pattern_c"], "duration_s": p["pattern_s"],
-            **results}
+            "order": order, **results}
 
 
 def measure_sweeps(ctx, p):
