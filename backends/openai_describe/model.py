@@ -17,6 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from describer import NO_KEY_HELP, Cancelled, Describer, Job, Observer, make_client
+from prompting import PromptError, read_prompt
 from scrubbing import Scrubber
 from settings import SettingsError, parse_settings
 
@@ -82,7 +83,7 @@ class TritonPythonModel:
                 if self.closing:
                     raise _Reject("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
                 accepted.append((request, self._jobs(request)))
-            except (InvalidInput, SettingsError) as exc:
+            except (InvalidInput, PromptError, SettingsError) as exc:
                 self.metrics.request_done(None, "invalid", None)
                 self._send_error(request, str(exc), pb_utils.TritonError.INVALID_ARG)
             except _Reject as exc:
@@ -165,7 +166,7 @@ class TritonPythonModel:
     # -- on the model thread --------------------------------------------------------
 
     def _jobs(self, request):
-        """One Job per batch row; raises InvalidInput or SettingsError (both INVALID_ARG)."""
+        """One Job per batch row; raises InvalidInput, PromptError or SettingsError (all INVALID_ARG)."""
         labels = _input(request, "LABELS")
         scores = _input(request, "SCORES")
         if labels is None or scores is None:
@@ -181,9 +182,8 @@ class TritonPythonModel:
             row_scores = tuple(float(x) for x in scores[row])
             if not all(math.isfinite(x) for x in row_scores):
                 raise InvalidInput("SCORES must be finite")
-            prompt = _text(prompts[row].reshape(-1)[0]).strip() if prompts is not None else ""
-            if len(prompt) > self.settings.max_prompt_chars:
-                raise InvalidInput(f"PROMPT is longer than {self.settings.max_prompt_chars} characters")
+            prompt = read_prompt(prompts[row].reshape(-1)[0] if prompts is not None else None,
+                                 self.settings.max_prompt_chars)
             jobs.append(Job(
                 labels=tuple(_text(x) for x in labels[row]), scores=row_scores,
                 prompt=prompt or self.settings.default_prompt,

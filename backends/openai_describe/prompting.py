@@ -2,6 +2,31 @@
 alone when no LLM answer can be used."""
 
 
+class PromptError(ValueError):
+    """The caller's PROMPT is refused (the adapter answers INVALID_ARG)."""
+
+
+def read_prompt(raw, max_chars):
+    """The caller's PROMPT as text, stripped; "" when absent. Refuses bytes that
+    are not UTF-8 (never guess what a caller meant, never forward U+FFFD to a
+    paid model) and text longer than `max_chars` (input tokens cost money)."""
+    if raw is None:
+        return ""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PromptError(f"PROMPT is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
+                              f"{exc.start}); send the prompt encoded as UTF-8") from None
+    else:
+        text = str(raw)
+    text = text.strip()
+    if len(text) > max_chars:
+        raise PromptError(f"PROMPT has {len(text)} characters, more than the limit "
+                          f"max_prompt_chars={max_chars} (model config)")
+    return text
+
+
 def short_label(label):
     # ImageNet-style labels list synonyms ("tabby, tabby cat"); the first reads best.
     return label.split(",")[0].strip() or label.strip()

@@ -104,7 +104,8 @@ class Settings:
                 f"temperature {temperature} is outside [{self.temperature_min}, {self.temperature_max}]")
         max_tokens = _number(params, "max_tokens", self.max_tokens)
         if max_tokens != int(max_tokens) or not 1 <= max_tokens <= self.max_tokens_limit:
-            raise SettingsError(f"max_tokens must be an integer in [1, {self.max_tokens_limit}]")
+            raise SettingsError(f"max_tokens must be an integer in [1, {self.max_tokens_limit}] "
+                                f"(max_tokens_limit in the model config), got {max_tokens:g}")
         # A caller may only shorten the per-attempt timeout ("answer fast or fall back").
         timeout_s = _number(params, "timeout_s", self.timeout_s)
         if not 0 < timeout_s <= self.timeout_s:
