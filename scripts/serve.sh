@@ -7,6 +7,11 @@
 #   MODEL_REPOSITORY=model_repository   CACHE_SIZE=268435456 (response cache, bytes)
 #   READY_TIMEOUT=300 (seconds)          TRITON_EXTRA_ARGS="--log-verbose=1 ..."
 #   LLM_BASE_URL, LLM_MODEL, LLM_API_KEY, LLM_API_KEY_FILE: see docs/llm-endpoints.md
+#   TRITON_ADMIN_KEY=...  restrict model control, the repository index and shared
+#                         memory (HTTP and gRPC) to callers sending header
+#                         `admin-key: <key>`; inference, health, metadata stay open
+#   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
+#                         see scripts/hardening_watchdog.py and docs/reliability.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,12 +60,27 @@ args=(
   --exit-timeout-secs=30
   ${TRITON_EXTRA_ARGS:-}
 )
+if [[ -n "${TRITON_ADMIN_KEY:-}" ]]; then
+  # Format checked against the 2.51 binary: <apis>:<header>=<value>. The key is
+  # never echoed (it is visible in this host's process list, like any argument).
+  args+=("--http-restricted-api=model-repository,shared-memory:admin-key=$TRITON_ADMIN_KEY"
+         "--grpc-restricted-protocol=model-repository,shared-memory:admin-key=$TRITON_ADMIN_KEY")
+  echo "serve: model-repository and shared-memory APIs need header 'admin-key' (TRITON_ADMIN_KEY)" >&2
+fi
 
 "$triton_home/bin/tritonserver" "${args[@]}" &
 server_pid=$!
 
+watchdog_pid=""
+if [[ "${STUB_WATCHDOG:-1}" != "0" ]]; then
+  "$venv_python" scripts/hardening_watchdog.py --server-pid "$server_pid" \
+    --http-url "127.0.0.1:$HTTP_PORT" --interval-s "${STUB_WATCHDOG_INTERVAL_S:-1}" &
+  watchdog_pid=$!
+fi
+
 stop() {
   trap - INT TERM
+  [[ -n "$watchdog_pid" ]] && kill -TERM "$watchdog_pid" 2>/dev/null
   echo "serve: stopping tritonserver (pid $server_pid)" >&2
   kill -TERM "$server_pid" 2>/dev/null || true
   wait "$server_pid" 2>/dev/null || true
@@ -93,5 +113,6 @@ PY
 set +e
 wait "$server_pid"
 status=$?
+[[ -n "$watchdog_pid" ]] && kill -TERM "$watchdog_pid" 2>/dev/null
 echo "serve: tritonserver exited with status $status" >&2
 exit "$status"

@@ -1,0 +1,186 @@
+"""Python-backend stub watchdog for one tritonserver (scripts/serve.sh starts it).
+
+Why: every instance of a Python-based model runs in its own stub process, a
+child of tritonserver. Since 24.06 (this is 2.51 / 24.10) Triton no longer
+restarts a stub that dies (OOM killer, a segfault in a native library, a
+stray `kill`), and measured here it also does not say so: /v2/health/ready and
+/v2/models/<m>/ready stay 200 while every request to that model fails with
+`Stub process '<model>_0_0' is not healthy.` A readiness or liveness probe
+therefore never fires; the model stays broken until someone reloads it. A
+plain `load` is a no-op (nothing changed on disk), so the reload passes the
+model's current config as an override, which makes Triton build new instances
+and swap them in (about 1.5 s for `preprocess` on 2 cores).
+
+How: every --interval-s it lists tritonserver's children (/proc/<pid>/task/*/
+children), remembers which stub serves which model (the instance name is in
+the stub's command line: `<model>_<group>_<instance>`), and when a stub it saw
+alive is gone or a zombie while no live stub serves that instance any more and
+the repository index still says READY, it reloads that model through the
+repository API (with the admin key header when TRITON_ADMIN_KEY is set).
+A model unloaded on purpose is not READY in the index and is left alone.
+It exits when the server exits. Linux only (/proc).
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+
+STUB_NAME = "triton_python_backend_stub"
+INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
+# Instance stubs are named <model>_<group>_<instance>. A stub named after the
+# model alone only checks the config during a load and exits by design.
+INSTANCE_RE = re.compile(r"^(.+)_\d+_\d+$")
+
+
+def log(message):
+    print(f"watchdog: {message}", file=sys.stderr, flush=True)
+
+
+def children(pid):
+    found = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.update(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def process_state(pid):
+    """'Z' for a zombie, another letter when alive, None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def stub_instance(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return None
+    if not argv or not argv[0].endswith(STUB_NAME.encode()) or len(argv) <= INSTANCE_ARG:
+        return None
+    instance = argv[INSTANCE_ARG].decode(errors="replace")
+    return instance if INSTANCE_RE.match(instance) else None
+
+
+def model_of(instance):
+    return INSTANCE_RE.match(instance).group(1)  # a model name may itself contain "_"
+
+
+class Server:
+    def __init__(self, http_url, admin_key=None, timeout_s=60.0):
+        self.base = f"http://{http_url}"
+        self.headers = {"Content-Type": "application/json"}
+        if admin_key:
+            self.headers["admin-key"] = admin_key
+        self.timeout_s = timeout_s
+
+    def call(self, path, payload=None, timeout_s=None):
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(self.base + path, data=data, headers=self.headers,
+                                         method="GET" if data is None else "POST")
+        with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def ready_models(self):
+        return {m["name"] for m in self.call("/v2/repository/index", {}, timeout_s=10) or []
+                if m.get("state") == "READY"}
+
+    def reload(self, model):
+        config = self.call(f"/v2/models/{model}/config", timeout_s=10)
+        self.call(f"/v2/repository/models/{model}/load", {"parameters": {"config": json.dumps(config)}})
+
+
+class Watchdog:
+    def __init__(self, server_pid, server, interval_s=1.0):
+        self.server_pid = server_pid
+        self.server = server
+        self.interval_s = interval_s
+        self.known = {}  # stub pid -> instance name, for stubs seen alive
+        self.reloads = 0
+
+    def poll(self):
+        """One look; returns the models it reloaded."""
+        alive, dead = {}, []
+        for pid in children(self.server_pid):
+            state = process_state(pid)
+            if state is None or state == "Z":
+                continue
+            instance = stub_instance(pid)
+            if instance is not None:
+                alive[pid] = instance
+        for pid, instance in list(self.known.items()):
+            if pid not in alive:
+                del self.known[pid]
+                if instance not in alive.values():
+                    dead.append((pid, instance))
+        self.known.update(alive)
+        if not dead:
+            return []
+        try:
+            ready = self.server.ready_models()
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            log(f"cannot read the repository index ({exc}); will look again")
+            for pid, instance in dead:  # look again next time
+                self.known[pid] = instance
+            return []
+        reloaded = []
+        for model in sorted({model_of(instance) for _, instance in dead}):
+            pids = [pid for pid, instance in dead if model_of(instance) == model]
+            if model not in ready:
+                continue  # unloaded or being reloaded on purpose
+            log(f"stub process(es) {pids} of model '{model}' died; Triton still reports it ready "
+                f"but cannot serve it: reloading '{model}'")
+            started = time.monotonic()
+            try:
+                self.server.reload(model)
+            except (OSError, urllib.error.URLError, ValueError) as exc:
+                log(f"reload of '{model}' failed ({exc}); will try again")
+                for pid, instance in dead:
+                    if model_of(instance) == model:
+                        self.known[pid] = instance
+                continue
+            self.reloads += 1
+            reloaded.append(model)
+            log(f"model '{model}' reloaded in {time.monotonic() - started:.1f}s")
+        return reloaded
+
+    def run(self):
+        while process_state(self.server_pid) not in (None, "Z"):
+            self.poll()
+            time.sleep(self.interval_s)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server-pid", type=int, required=True)
+    parser.add_argument("--http-url", default="127.0.0.1:8000")
+    parser.add_argument("--interval-s", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    server = Server(args.http_url, admin_key=os.environ.get("TRITON_ADMIN_KEY") or None)
+    log(f"watching the Python backend stubs of tritonserver pid {args.server_pid} "
+        f"every {args.interval_s:g}s")
+    try:
+        Watchdog(args.server_pid, server, args.interval_s).run()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
