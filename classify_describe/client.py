@@ -6,6 +6,7 @@ SCORES, DESCRIPTION, DESCRIPTION_SOURCE, USAGE out) and return `Result`.
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,43 @@ OUTPUT_NAMES = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"
 
 class TritonRequestError(RuntimeError):
     """The server answered this request with an error (bad image, unknown model...)."""
+
+
+# What `retries=N` resends: the request never got an answer because the
+# connection failed (refused while the server restarts, reset, closed), or the
+# server said UNAVAILABLE (gRPC status, HTTP 503: stopping, model not ready).
+# Never an answer that says the request itself is wrong (INVALID_ARG / 400).
+_RETRY_STATUSES = {"StatusCode.UNAVAILABLE", "503"}
+
+
+def _connection_errors():
+    errors = [ConnectionError, TimeoutError]
+    try:
+        import aiohttp
+        errors.append(aiohttp.ClientConnectionError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _retryable(error, module):
+    if isinstance(error, module.InferenceServerException):
+        return str(error.status()) in _RETRY_STATUSES
+    # geventhttpclient raises plain socket errors (ConnectionRefusedError, reset);
+    # aiohttp its ClientConnectionError family. A timeout is not resent here: the
+    # server may still be working on the request.
+    return isinstance(error, _connection_errors()) and not isinstance(error, TimeoutError)
+
+
+def _backoff_s(base_s, attempt):
+    # Exponential with full jitter, capped: clients that lost the same server do
+    # not all come back in the same instant.
+    return random.uniform(0, min(5.0, base_s * (2 ** attempt)))
+
+
+def _check_retries(retries, retry_backoff_s):
+    if retries < 0 or retry_backoff_s < 0:
+        raise ValueError("retries and retry_backoff_s must be >= 0")
 
 
 @dataclass
@@ -90,7 +128,14 @@ class Client:
     """Blocking client. `protocol` is "http" (url host:8000) or "grpc" (host:8001)."""
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 timeout_s=120.0):
+                 timeout_s=120.0, retries=0, retry_backoff_s=0.5):
+        """`retries`: how many times to resend a request that got no answer
+        (connection refused or broken, e.g. while the server restarts) or
+        UNAVAILABLE; 0 (the default) never resends. Errors about the request
+        itself (INVALID_ARG: a bad image, a limit) are never resent."""
+        _check_retries(retries, retry_backoff_s)
+        self._retries, self._retry_backoff_s = retries, retry_backoff_s
+        self.retried = 0  # resends so far, for callers who count them
         self._module = _protocol_module(protocol, asynchronous=False)
         self._protocol = protocol
         self._model_name = model_name
@@ -106,11 +151,19 @@ class Client:
         inputs, outputs = _build_inputs(self._module, image, prompt)
         kwargs = {"client_timeout": self._timeout_s} if self._protocol == "grpc" else {}
         started = time.perf_counter()
-        try:
-            result = self._client.infer(self._model_name, inputs, outputs=outputs,
-                                        parameters=parameters, **kwargs)
-        except self._module.InferenceServerException as error:
-            raise TritonRequestError(error.message()) from None
+        for attempt in range(self._retries + 1):
+            try:
+                result = self._client.infer(self._model_name, inputs, outputs=outputs,
+                                            parameters=parameters, **kwargs)
+                break
+            except Exception as error:
+                if attempt < self._retries and _retryable(error, self._module):
+                    self.retried += 1
+                    time.sleep(_backoff_s(self._retry_backoff_s, attempt))
+                    continue
+                if isinstance(error, self._module.InferenceServerException):
+                    raise TritonRequestError(error.message()) from None
+                raise
         return _parse(result, (time.perf_counter() - started) * 1e3)
 
     def is_ready(self):
@@ -135,9 +188,13 @@ class AsyncClient:
     """
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 concurrency=8, timeout_s=120.0):
+                 concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5):
+        """`retries`: as for Client (connection failures and UNAVAILABLE only)."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        _check_retries(retries, retry_backoff_s)
+        self._retries, self._retry_backoff_s = retries, retry_backoff_s
+        self.retried = 0
         self._module = _protocol_module(protocol, asynchronous=True)
         self._protocol = protocol
         self._model_name = model_name
@@ -155,11 +212,19 @@ class AsyncClient:
         kwargs = {"client_timeout": self._timeout_s} if self._protocol == "grpc" else {}
         async with self._limit:
             started = time.perf_counter()
-            try:
-                result = await self._client.infer(
-                    self._model_name, inputs, outputs=outputs, parameters=parameters, **kwargs)
-            except self._module.InferenceServerException as error:
-                raise TritonRequestError(error.message()) from None
+            for attempt in range(self._retries + 1):
+                try:
+                    result = await self._client.infer(
+                        self._model_name, inputs, outputs=outputs, parameters=parameters, **kwargs)
+                    break
+                except Exception as error:
+                    if attempt < self._retries and _retryable(error, self._module):
+                        self.retried += 1
+                        await asyncio.sleep(_backoff_s(self._retry_backoff_s, attempt))
+                        continue
+                    if isinstance(error, self._module.InferenceServerException):
+                        raise TritonRequestError(error.message()) from None
+                    raise
             return _parse(result, (time.perf_counter() - started) * 1e3)
 
     async def infer_many(self, images, prompt=None):
