@@ -74,7 +74,7 @@ $(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) 
 run: build
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) scripts/serve.sh
 
-test: build
+test: build perf-analyzer
 	scripts/run_tests.sh
 
 unit: build
