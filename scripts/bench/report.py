@@ -240,7 +240,8 @@ def write(results, out_path, plots_dir):
     add(f"- The whole run took {meta['duration_s']:.0f} s. Reproduce: `make build perf-analyzer && "
         f"{meta['command']}`.\n")
     add("perf_analyzer command lines (the work-dir file names; `<C>` is the concurrency, `<W>` the window: "
-        f"{params['window_ms']} ms, or three times the expected latency where that is longer, up to 30 s):\n")
+        f"{params['window_ms']} ms, or three times the expected latency where that is longer, up to "
+        f"{params.get('window_cap_ms', 30000) / 1000:g} s):\n")
     add("```")
     lines.extend(meta.get("perf_analyzer_commands", []))
     add("```\n")

@@ -39,9 +39,9 @@ MODES = {
                   describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_s=1.5, warmup_s=0.5,
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
                   tuning=("threads_2",), tuning_c=(2,)),
-    "quick": dict(window_ms=1500, trials=3, repeats=1, inproc_s=1.5, inproc_batches="1,2,4",
+    "quick": dict(window_ms=1500, window_cap_ms=4000, trials=3, repeats=1, inproc_s=1.5, inproc_batches="1,2,4",
                   classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
-                  describe_n=100, pattern_latency_ms=200, pattern_c=16, pattern_s=5.0, warmup_s=1.0,
+                  describe_n=60, pattern_latency_ms=200, pattern_c=16, pattern_s=4.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=()),
     "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches="1,2,4,8",
@@ -184,7 +184,7 @@ def run_bench_describe(ctx, p):
 def measure_patterns(ctx, p):
     """Figure 4: the ensemble vs the two-step client, in turns (A B, or A B B A), same images and load."""
     ctx.llm.set_latency(p["pattern_latency_ms"])
-    order = ("ensemble", "two_step") + (("two_step", "ensemble") if p["hiding_abba"] else ())
+    order = ("ensemble", "two_step") + (("two_step", "ensemble") if p["repeats"] > 1 else ())
     turns = {"ensemble": [], "two_step": []}
     for pattern in order:
         result = clients.measure(pattern, ctx.triton.http_url, ctx.llm.base_url, ctx.images,
@@ -311,7 +311,8 @@ class Context:
     def pa(self, model, concurrency, expected_latency_ms=None):
         window_ms = self.params["window_ms"]
         if expected_latency_ms:
-            window_ms = int(min(30_000, max(window_ms, 3 * expected_latency_ms)))
+            cap = self.params.get("window_cap_ms", 30_000)
+            window_ms = int(min(cap, max(window_ms, 3 * expected_latency_ms)))
         result = harness.perf_analyzer(model, self.triton.http_url, self.input_data[model], concurrency,
                                        self.workdir, window_ms=window_ms, trials=self.params["trials"])
         result["window_ms"] = window_ms
