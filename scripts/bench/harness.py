@@ -113,6 +113,7 @@ class Triton:
                    METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository),
                    LLM_BASE_URL=llm_base_url, LLM_API_KEY=BENCH_API_KEY, **(extra_env or {}))
         env.pop("LLM_API_KEY_FILE", None)
+        env.pop("TRITON_ADMIN_KEY", None)  # the tuning sweep reloads models over the plain HTTP API
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
                                             stdout=log, stderr=subprocess.STDOUT)
