@@ -121,3 +121,13 @@ bench: build perf-analyzer
 
 bench-quick: build perf-analyzer
 	$(PY) scripts/bench/run.py --mode quick --results $(BUILD)/bench/quick/results.json
+
+# Soak and faults (docs/reliability.md): fake LLM upstream + one server on loopback
+# free ports, valid load at the concurrency that saturates the ensemble, the
+# hostile corpus, LLM faults, a version swap, a stub SIGKILL, a restart with
+# retrying clients; stops by itself; fails if a request was lost or a secret leaked.
+#   make soak                         10 minutes
+#   make soak SOAK_ARGS="--duration-s 180"
+.PHONY: soak
+soak: build
+	$(PY) scripts/soak.py $(SOAK_ARGS)

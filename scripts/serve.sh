@@ -80,10 +80,13 @@ fi
 
 stop() {
   trap - INT TERM
-  [[ -n "$watchdog_pid" ]] && kill -TERM "$watchdog_pid" 2>/dev/null
+  # The watchdog reloads nothing from now on, and once the server is gone it
+  # stops any stub process left running (see scripts/hardening_watchdog.py).
+  [[ -n "$watchdog_pid" ]] && kill -USR1 "$watchdog_pid" 2>/dev/null
   echo "serve: stopping tritonserver (pid $server_pid)" >&2
   kill -TERM "$server_pid" 2>/dev/null || true
   wait "$server_pid" 2>/dev/null || true
+  [[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
   exit 0
 }
 trap stop INT TERM
@@ -113,6 +116,6 @@ PY
 set +e
 wait "$server_pid"
 status=$?
-[[ -n "$watchdog_pid" ]] && kill -TERM "$watchdog_pid" 2>/dev/null
+[[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
 echo "serve: tritonserver exited with status $status" >&2
 exit "$status"

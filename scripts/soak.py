@@ -1,0 +1,776 @@
+"""Bounded soak with fault injection (`make soak`; docs/reliability.md).
+
+Starts, on loopback and free ports, the fake OpenAI-compatible upstream
+(tests/fake_openai) and one tritonserver through scripts/serve.sh (stub
+watchdog on, TRITON_ADMIN_KEY set), then keeps `--concurrency` valid
+classify_and_describe requests in flight (distinct prompts, so every one calls
+the upstream) for `--duration-s` while it, in order:
+
+  1. steady load, with the hostile corpus (>= 200 malformed requests) sent
+     alongside; RSS of tritonserver + its stub processes at the start and end;
+  2. LLM faults, each for `phase` seconds: 401 that echoes the key, upstream
+     refusing connections, slow (3 s), a 429 storm, malformed bodies; then
+     recovery: seconds until the first LLM answer and until the circuit gauge
+     reads closed again;
+  3. a classifier version swap (version 2 loaded, then removed) under load;
+  4. SIGKILL of the preprocess stub process: the watchdog reloads the model;
+  5. a server restart (SIGTERM, start again on the same ports) with clients
+     that retry connection failures and UNAVAILABLE (`retries=`);
+  6. steady load until the end.
+
+Every request ends as a full answer or an error with its message; both are
+counted by phase. Afterwards the server log, every client-visible output and
+error, and the metrics are scanned for the LLM key and the admin key. Writes
+a JSON report (--report) and prints a summary; exits non-zero when a valid
+request was lost or failed outside the crash window, a hostile request was not
+answered with a clear error, the server did not survive, or a secret leaked.
+Stops by itself; every process it starts is stopped by its PID.
+"""
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import pathlib
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from classify_describe import AsyncClient, TritonRequestError  # noqa: E402
+
+ENSEMBLE = "classify_and_describe"
+READY_TIMEOUT_S = 300
+
+
+def log(message):
+    print(f"soak: {message}", file=sys.stderr, flush=True)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url, payload=None, timeout=10, headers=None):
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def photos():
+    import skimage.data
+
+    data_dir = pathlib.Path(skimage.data.__file__).parent
+    return {name: (data_dir / f"{name}.png").read_bytes() for name in ("chelsea", "coffee")}
+
+
+# -- memory -------------------------------------------------------------------------
+
+def process_tree(pid):
+    """pid and its descendants (tritonserver and its Python stub processes)."""
+    seen, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        seen.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return seen
+
+
+def rss_mb(pid):
+    """Sum of VmRSS over tritonserver and its children, in MB (zombies count 0)."""
+    total_kb = 0
+    for member in process_tree(pid):
+        try:
+            with open(f"/proc/{member}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total_kb += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total_kb / 1024, 1)
+
+
+# -- the processes --------------------------------------------------------------------
+
+class FakeUpstream:
+    def __init__(self, workdir, latency_ms):
+        self.port = free_port()
+        self.log_path = workdir / "fake_llm.log"
+        with open(self.log_path, "w") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--latency-ms", str(latency_ms)],
+                cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.admin("stats")
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.process.poll() is not None:
+                    raise RuntimeError(f"fake upstream did not start; see {self.log_path}")
+                time.sleep(0.2)
+
+    @property
+    def base_url(self):
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def admin(self, path, payload=None):
+        return http_json(f"http://127.0.0.1:{self.port}/_admin/{path}", payload)
+
+    def mode(self, mode, **options):
+        deadline = time.monotonic() + 15  # after "refuse" the admin API is back only when it listens
+        while True:
+            try:
+                return self.admin("mode", {"mode": mode, **options})
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def stop(self):
+        stop_process(self.process, 10)
+
+
+def stop_process(process, grace_s=60):
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+class Server:
+    """scripts/serve.sh on fixed ports (a restart comes back on the same ones)."""
+
+    def __init__(self, workdir, env):
+        self.workdir = workdir
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.repository = workdir / "model_repository"
+        shutil.copytree(REPO / "model_repository", self.repository)
+        self.env = dict(os.environ, HTTP_PORT=str(self.http_port), GRPC_PORT=str(self.grpc_port),
+                        METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository),
+                        **env)
+        self.admin_headers = {"admin-key": env["TRITON_ADMIN_KEY"]} if env.get("TRITON_ADMIN_KEY") else {}
+        self.log_paths = []
+        self.process = None
+        self.starts = 0
+
+    @property
+    def http_url(self):
+        return f"127.0.0.1:{self.http_port}"
+
+    def start(self):
+        self.starts += 1
+        log_path = self.workdir / f"tritonserver.{self.starts}.log"
+        self.log_paths.append(log_path)
+        with open(log_path, "w") as log_file:
+            self.process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=self.env,
+                                            stdout=log_file, stderr=subprocess.STDOUT)
+        started = time.monotonic()
+        while not self.is_ready():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.process.returncode}; see {log_path}")
+            if time.monotonic() - started > READY_TIMEOUT_S:
+                raise RuntimeError(f"tritonserver not ready after {READY_TIMEOUT_S}s; see {log_path}")
+            time.sleep(0.25)
+        return time.monotonic() - started
+
+    def stop(self):
+        if self.process is not None:
+            stop_process(self.process)
+
+    def is_ready(self):
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=3) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def triton_pid(self):
+        """tritonserver is serve.sh's child."""
+        for child in process_tree(self.process.pid)[1:]:
+            try:
+                if pathlib.Path(f"/proc/{child}/exe").resolve().name == "tritonserver":
+                    return child
+            except OSError:
+                continue
+        return None
+
+    def rss_mb(self):
+        pid = self.triton_pid()
+        return rss_mb(pid) if pid else None
+
+    def stub_pid(self, instance):
+        pid = self.triton_pid()
+        for child in process_tree(pid)[1:]:
+            try:
+                argv = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(argv) > 8 and argv[8].decode(errors="replace") == instance:
+                return child
+        return None
+
+    def metrics(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def repository_call(self, path, payload=None, timeout=120):
+        return http_json(f"http://{self.http_url}{path}", payload if payload is not None else {},
+                         timeout=timeout, headers=self.admin_headers)
+
+    def logs(self):
+        return "\n".join(p.read_text(errors="replace") for p in self.log_paths if p.exists())
+
+
+def circuit_state(metrics_text, upstream_model):
+    for line in metrics_text.splitlines():
+        if line.startswith("describe_circuit_state{") and f'upstream_model="{upstream_model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+# -- valid load ---------------------------------------------------------------------
+
+class Tally:
+    """Every valid request's fate, by phase."""
+
+    def __init__(self):
+        self.phase = "warmup"
+        self.by_phase = {}
+        self.outputs = []  # everything a client saw, for the secret scan (bounded)
+        self.errors = []
+
+    def _row(self):
+        return self.by_phase.setdefault(self.phase, {"sent": 0, "llm": 0, "fallback": 0, "failed": 0,
+                                                     "fallback_reasons": {}, "latency_ms": []})
+
+    def sent(self):
+        self._row()["sent"] += 1
+        return self.phase
+
+    def answered(self, phase, result):
+        row = self.by_phase[phase]
+        row[result.description_source if result.description_source in ("llm", "fallback") else "failed"] += 1
+        if result.description_source == "fallback":
+            reason = str(result.usage.get("fallback_reason"))
+            row["fallback_reasons"][reason] = row["fallback_reasons"].get(reason, 0) + 1
+        row["latency_ms"].append(result.latency_ms)
+        if len(self.outputs) < 5000 or random.random() < 0.01:
+            self.outputs.append(json.dumps(result.as_dict()))
+
+    def failed(self, phase, error):
+        row = self.by_phase[phase]
+        row["failed"] += 1
+        message = f"{type(error).__name__}: {error}"
+        self.errors.append({"phase": phase, "error": message[:300]})
+        self.outputs.append(message)
+
+    def totals(self):
+        total = {"sent": 0, "llm": 0, "fallback": 0, "failed": 0}
+        for row in self.by_phase.values():
+            for key in total:
+                total[key] += row[key]
+        total["answered"] = total["llm"] + total["fallback"]
+        return total
+
+    def summary(self):
+        out = {}
+        for phase, row in self.by_phase.items():
+            latencies = sorted(row["latency_ms"])
+            pick = (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1)
+                    if latencies else None)
+            out[phase] = {k: v for k, v in row.items() if k != "latency_ms"}
+            out[phase].update(p50_ms=pick(0.5), p99_ms=pick(0.99))
+        return out
+
+
+async def valid_load(url, images, concurrency, tally, stop, retries, timeout_s=120.0):
+    """`concurrency` closed-loop workers; each request has a distinct prompt."""
+    counter = iter(range(10 ** 9))
+    async with AsyncClient(url, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
+                           retry_backoff_s=0.5) as client:
+        async def worker(index):
+            while not stop.is_set():
+                number = next(counter)
+                image = images[number % len(images)]
+                phase = tally.sent()
+                try:
+                    result = await client.infer(image, prompt=f"Soak request {number}: what is it?")
+                except Exception as error:  # noqa: BLE001 - every failure is counted
+                    tally.failed(phase, error)
+                    await asyncio.sleep(0.05)
+                else:
+                    tally.answered(phase, result)
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+        return client.retried
+
+
+# -- hostile input ------------------------------------------------------------------
+
+class Case:
+    def __init__(self, name, category, *, inputs=None, parameters=None, protocol="http",
+                 raw_body=None, raw_headers=None, model=ENSEMBLE, expect="error", mention=None):
+        self.name, self.category = name, category
+        self.inputs = inputs or []  # [(name, datatype, numpy array)]
+        self.parameters = parameters
+        self.protocol = protocol
+        self.raw_body, self.raw_headers = raw_body, raw_headers or {}
+        self.model = model
+        self.expect = expect  # "error", or "ok" for inputs that are odd but valid (empty prompt)
+        self.mention = mention  # a word the error message must contain
+
+
+def _image(data):
+    return ("IMAGE", "BYTES", np.array([[data]], dtype=np.object_))
+
+
+def _prompt(data):
+    return ("PROMPT", "BYTES", np.array([[data]], dtype=np.object_))
+
+
+def hostile_corpus(images, seed=0):
+    """At least 200 malformed requests, generated (seeded, reproducible)."""
+    from tests.reference import bad_images, png_with_header_size
+
+    rng = np.random.default_rng(seed)
+    cat, coffee = images["chelsea"], images["coffee"]
+    cases = []
+    for name, (data, words) in bad_images().items():
+        cases.append(Case(f"bad_image:{name}", "image", inputs=[_image(data)], mention=None))
+    for i in range(60):  # random bytes of random sizes
+        size = int(rng.choice([1, 2, 7, 64, 512, 4096, 65536, 300000]))
+        data = rng.bytes(size)
+        if i % 5 == 0:  # random bytes behind a real signature
+            data = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff\xe0", b"GIF89a", b"RIFF\x00\x00\x00\x00WEBP")[i % 4] + data
+        cases.append(Case(f"random_bytes:{i}:{len(data)}", "image", inputs=[_image(data)]))
+    for i, cut in enumerate(np.linspace(0.02, 0.97, 20)):  # truncated real photos
+        for label, photo in (("chelsea", cat), ("coffee", coffee)):
+            cases.append(Case(f"truncated:{label}:{cut:.2f}", "image",
+                              inputs=[_image(photo[:int(len(photo) * cut)])]))
+    for width, height in [(100000, 100000), (65535, 65535), (40001, 1000), (1000, 40001),
+                          (2 ** 31 - 1, 2 ** 31 - 1), (10 ** 6, 1), (1, 10 ** 6), (50000, 50000),
+                          (7000, 7000), (0, 0), (0, 100), (100, 0), (1, 1), (3, 3), (7, 7000),
+                          (20000, 2001), (2 ** 24, 2 ** 24), (12345, 54321), (46341, 46341), (8, 7)]:
+        cases.append(Case(f"header_dims:{width}x{height}", "image",
+                          inputs=[_image(png_with_header_size(width, height))]))
+    cases.append(Case("image_21MiB", "image", inputs=[_image(b"\xff\xd8\xff\xe0" + bytes(21 * 1024 * 1024))],
+                      mention="bytes"))
+    # Prompts (on a valid image, so the error comes from the describe step).
+    cases.append(Case("prompt_empty", "prompt", inputs=[_image(cat), _prompt(b"")], expect="ok"))
+    cases.append(Case("prompt_whitespace", "prompt", inputs=[_image(cat), _prompt(b"  \n\t ")], expect="ok"))
+    for size in (2001, 5000, 65536, 1 << 20):
+        cases.append(Case(f"prompt_{size}_chars", "prompt", inputs=[_image(cat), _prompt(b"a" * size)],
+                          mention="max_prompt_chars"))
+    cases.append(Case("prompt_1MB_multibyte", "prompt",
+                      inputs=[_image(cat), _prompt(("猫" * 350000).encode())], mention="max_prompt_chars"))
+    for i in range(20):
+        junk = bytearray(rng.bytes(32))
+        junk[int(rng.integers(0, 32))] = 0xFF  # 0xFF never occurs in UTF-8
+        cases.append(Case(f"prompt_invalid_utf8:{i}", "prompt", inputs=[_image(cat), _prompt(bytes(junk))],
+                          mention="UTF-8"))
+    for seq in (b"\xc3", b"\xe2\x82", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"abc\x80"):
+        cases.append(Case(f"prompt_bad_sequence:{seq.hex()}", "prompt", inputs=[_image(cat), _prompt(seq)],
+                          mention="UTF-8"))
+    # Request parameters.
+    for params, word in [({"temperature": 5.0}, "temperature"), ({"temperature": -1}, "temperature"),
+                         ({"temperature": "hot"}, "temperature"), ({"max_tokens": 100000}, "max_tokens"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"),
+                         ({"model": "gpt-4"}, "not allowed"), ({"model": "o1-pro"}, "not allowed"),
+                         ({"model": ""}, "model"), ({"timeout_s": 1000}, "timeout_s"),
+                         ({"timeout_s": 0}, "timeout_s"), ({"timeout_s": -1}, "timeout_s"),
+                         ({"max_tokens": "lots"}, "max_tokens"), ({"temperature": True}, "temperature"),
+                         ({"max_tokens": 10.5}, "max_tokens")]:
+        cases.append(Case(f"parameters:{json.dumps(params)}", "parameters",
+                          inputs=[_image(coffee), _prompt(b"what is it?")], parameters=params, mention=word))
+    # Wrong dtypes and shapes, over both protocols.
+    for protocol in ("http", "grpc"):
+        for dtype, array in [("FP32", np.zeros((1, 1), np.float32)), ("INT8", np.zeros((1, 1), np.int8)),
+                             ("UINT8", np.frombuffer(cat[:1024], np.uint8).reshape(1, 1024)),
+                             ("BOOL", np.ones((1, 1), bool)), ("INT64", np.zeros((1, 1), np.int64))]:
+            cases.append(Case(f"dtype:{protocol}:IMAGE:{dtype}", "dtype", protocol=protocol,
+                              inputs=[("IMAGE", dtype, array)]))
+        cases.append(Case(f"dtype:{protocol}:PROMPT:INT32", "dtype", protocol=protocol,
+                          inputs=[_image(cat), ("PROMPT", "INT32", np.zeros((1, 1), np.int32))]))
+        for label, array in [("1x2", np.array([[cat, cat]], dtype=np.object_)),
+                             ("1x1x1", np.array([[[cat]]], dtype=np.object_)),
+                             ("flat_1", np.array([cat], dtype=np.object_)),
+                             ("batch_9", np.array([[cat]] * 9, dtype=np.object_)),
+                             ("batch_64", np.array([[b"x"]] * 64, dtype=np.object_))]:
+            cases.append(Case(f"shape:{protocol}:IMAGE:{label}", "shape", protocol=protocol,
+                              inputs=[("IMAGE", "BYTES", array)]))
+        cases.append(Case(f"shape:{protocol}:PROMPT:1x3", "shape", protocol=protocol,
+                          inputs=[_image(cat), ("PROMPT", "BYTES", np.array([[b"a", b"b", b"c"]], np.object_))]))
+        cases.append(Case(f"missing:{protocol}:IMAGE", "shape", protocol=protocol,
+                          inputs=[_prompt(b"where is the image?")]))
+        cases.append(Case(f"unknown_input:{protocol}", "shape", protocol=protocol,
+                          inputs=[_image(cat), ("IMAGEZ", "BYTES", np.array([[b"x"]], np.object_))]))
+        cases.append(Case(f"unknown_model:{protocol}", "shape", protocol=protocol, model="no_such_model",
+                          inputs=[_image(cat)]))
+    # Raw HTTP bodies that no client library would build.
+    def raw(name, body, headers=None, model=ENSEMBLE, expect="error"):
+        cases.append(Case(f"raw:{name}", "raw", raw_body=body, raw_headers=headers, model=model,
+                          expect=expect))
+    raw("truncated_json", b'{"inputs": [')
+    raw("not_json", rng.bytes(2048))
+    raw("empty_body", b"")
+    raw("no_inputs", b"{}")
+    raw("inputs_not_a_list", b'{"inputs": {"name": "IMAGE"}}')
+    raw("data_missing", json.dumps({"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES"}]}).encode())
+    raw("data_shorter_than_shape",
+        json.dumps({"inputs": [{"name": "IMAGE", "shape": [4, 1], "datatype": "BYTES", "data": ["x"]}]}).encode())
+    raw("huge_declared_shape",
+        json.dumps({"inputs": [{"name": "IMAGE", "shape": [1000000000, 1], "datatype": "BYTES",
+                                "data": ["x"]}]}).encode())
+    raw("negative_shape",
+        json.dumps({"inputs": [{"name": "IMAGE", "shape": [-1, 1], "datatype": "BYTES", "data": ["x"]}]}).encode())
+    raw("unknown_datatype",
+        json.dumps({"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "COMPLEX", "data": ["x"]}]}).encode())
+    raw("parameters_not_object",
+        json.dumps({"parameters": 7, "inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
+                                                  "data": ["x"]}]}).encode())
+    header = json.dumps({"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 10 ** 9}}]}).encode()
+    raw("binary_size_beyond_body", header + b"\x04\x00\x00\x00abcd",
+        {"Inference-Header-Content-Length": str(len(header))})
+    raw("binary_header_length_beyond_body", header, {"Inference-Header-Content-Length": str(10 ** 6)})
+    element_claim = json.dumps({"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
+                                            "parameters": {"binary_data_size": 8}}]}).encode()
+    raw("bytes_element_length_lies", element_claim + b"\xff\xff\xff\x7fabcd",
+        {"Inference-Header-Content-Length": str(len(element_claim))})
+    # libevent refuses a request line this long by closing the connection.
+    raw("model_name_10k", b"{}", model="m" * 10000, expect="closed")
+    return cases
+
+
+def send_case(case, http_url, grpc_url, timeout_s=60.0):
+    """-> dict(name, category, outcome 'error'|'ok'|'no_answer', code, message, seconds)."""
+    started = time.monotonic()
+    outcome = {"name": case.name, "category": case.category, "expect": case.expect}
+    try:
+        if case.raw_body is not None:
+            request = urllib.request.Request(
+                f"http://{http_url}/v2/models/{case.model}/infer", data=case.raw_body, method="POST",
+                headers={"Content-Type": "application/octet-stream", **case.raw_headers})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                    outcome.update(outcome="ok", code=response.status, message="")
+            except urllib.error.HTTPError as error:
+                body = error.read().decode(errors="replace")
+                try:
+                    message = json.loads(body).get("error", body)
+                except ValueError:
+                    message = body
+                outcome.update(outcome="error", code=error.code, message=message)
+        else:
+            if case.protocol == "http":
+                import tritonclient.http as module
+                client = module.InferenceServerClient(http_url, network_timeout=timeout_s,
+                                                      connection_timeout=timeout_s)
+            else:
+                import tritonclient.grpc as module
+                client = module.InferenceServerClient(grpc_url)
+            tensors = []
+            for name, datatype, array in case.inputs:
+                tensor = module.InferInput(name, list(array.shape), datatype)
+                tensor.set_data_from_numpy(array)
+                tensors.append(tensor)
+            kwargs = {"client_timeout": timeout_s} if case.protocol == "grpc" else {}
+            try:
+                client.infer(case.model, tensors, parameters=case.parameters, **kwargs)
+                outcome.update(outcome="ok", code=200, message="")
+            except module.InferenceServerException as error:
+                outcome.update(outcome="error", code=str(error.status()), message=error.message() or "")
+            finally:
+                client.close()
+    except Exception as error:  # noqa: BLE001 - no answer at all is a finding
+        outcome.update(outcome="no_answer", code=None, message=f"{type(error).__name__}: {error}"[:300])
+    outcome["seconds"] = round(time.monotonic() - started, 3)
+    outcome["clear"] = is_clear(case, outcome)
+    return outcome
+
+
+SERVER_SIDE_CODES = {"500", "StatusCode.INTERNAL", "StatusCode.UNKNOWN"}
+# Triton 2.51's HTTP front end answers a body it cannot parse as the KServe JSON
+# with 500 (not 400), but with a message that says what it could not parse.
+TRITON_PARSE_ERRORS = ("parse", "attempt to", "request params")
+
+
+def is_clear(case, outcome):
+    """An expected error, with a message that says what is wrong, and a client-side code."""
+    if case.expect == "ok":
+        return outcome["outcome"] == "ok"
+    if case.expect == "closed":
+        return outcome["outcome"] == "no_answer" and "closed" in str(outcome["message"]).lower()
+    if outcome["outcome"] != "error":
+        return False
+    message = str(outcome["message"])
+    if not message.strip() or "Traceback" in message:
+        return False
+    server_side = str(outcome["code"]) in SERVER_SIDE_CODES or (
+        isinstance(outcome["code"], int) and outcome["code"] >= 500)
+    if server_side and not (case.raw_body is not None and any(w in message for w in TRITON_PARSE_ERRORS)):
+        return False
+    return case.mention is None or case.mention.lower() in message.lower()
+
+
+async def run_corpus(cases, http_url, grpc_url, workers=4):
+    loop = asyncio.get_running_loop()
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return await asyncio.gather(*(loop.run_in_executor(pool, send_case, case, http_url, grpc_url)
+                                      for case in cases))
+
+
+def corpus_summary(results):
+    by_category = {}
+    for r in results:
+        row = by_category.setdefault(r["category"], {"sent": 0, "clear": 0})
+        row["sent"] += 1
+        row["clear"] += bool(r["clear"])
+    unclear = [r for r in results if not r["clear"]]
+    return {"sent": len(results), "clear": len(results) - len(unclear),
+            "expected_errors": sum(r["expect"] == "error" for r in results),
+            "by_category": by_category, "unclear": unclear[:20],
+            "max_seconds": max((r["seconds"] for r in results), default=0)}
+
+
+# -- the run ------------------------------------------------------------------------
+
+async def soak(args, workdir):
+    llm_key = "sk-soak-" + os.urandom(12).hex()
+    admin_key = "adm-soak-" + os.urandom(12).hex()
+    images = photos()
+    report = {"config": vars(args).copy(), "faults": [], "rss_mb": []}
+    fake = FakeUpstream(workdir, args.llm_latency_ms)
+    server = Server(workdir, {"LLM_BASE_URL": fake.base_url, "LLM_API_KEY": llm_key,
+                              "TRITON_ADMIN_KEY": admin_key})
+    tally = Tally()
+    stop = asyncio.Event()
+    run_started = time.monotonic()
+    deadline = run_started + args.duration_s
+    phase_s = max(args.min_phase_s, args.duration_s * 0.03)
+
+    def sample_rss(label):
+        value = server.rss_mb()
+        report["rss_mb"].append({"t_s": round(time.monotonic() - run_started, 1), "label": label, "mb": value})
+        return value
+
+    async def sleep_until(t):
+        while time.monotonic() < t and not stop.is_set():
+            await asyncio.sleep(min(1.0, max(0.0, t - time.monotonic())))
+
+    def fault(name, **figures):
+        entry = {"fault": name, "t_s": round(time.monotonic() - run_started, 1), **figures}
+        report["faults"].append(entry)
+        log(f"fault {name}: {figures}")
+
+    async def in_thread(function, *a):
+        return await asyncio.get_running_loop().run_in_executor(None, function, *a)
+
+    try:
+        report["server_start_s"] = round(await in_thread(server.start), 1)
+        load = asyncio.ensure_future(valid_load(server.http_url, [images["chelsea"], images["coffee"]],
+                                                args.concurrency, tally, stop, args.retries))
+        await asyncio.sleep(min(10.0, args.duration_s * 0.05))  # warm-up
+
+        # 1. steady load + hostile corpus alongside
+        tally.phase = "steady"
+        report["rss_start_mb"] = sample_rss("steady start")
+        steady_end = run_started + args.duration_s * args.steady_fraction
+        cases = hostile_corpus(images)
+        corpus_started = time.monotonic()
+        results = await run_corpus(cases, server.http_url, f"127.0.0.1:{server.grpc_port}")
+        report["hostile"] = corpus_summary(results)
+        report["hostile"]["seconds"] = round(time.monotonic() - corpus_started, 1)
+        report["hostile"]["server_ready_after"] = server.is_ready()
+        log(f"hostile corpus: {report['hostile']['clear']}/{report['hostile']['sent']} answered clearly")
+        while time.monotonic() < steady_end:
+            await sleep_until(min(steady_end, time.monotonic() + max(10.0, args.duration_s / 20)))
+            sample_rss("steady")
+        report["rss_steady_end_mb"] = sample_rss("steady end")
+
+        # 2. LLM upstream faults, then recovery
+        # 401 first: a client error does not count towards the circuit, so the
+        # recovery below is measured after the faults that open it.
+        for mode, options in [("401", {}), ("refuse", {"duration_s": phase_s}), ("ok", {"latency_ms": 3000}),
+                              ("429", {"retry_after": 1}), ("malformed", {})]:
+            tally.phase = f"llm_{mode}" if mode != "ok" else "llm_slow"
+            fake.mode(mode, **options)
+            await sleep_until(time.monotonic() + phase_s)
+            fault(tally.phase, seconds=round(phase_s, 1))
+        tally.phase = "llm_recovery"
+        fake.mode("ok", latency_ms=args.llm_latency_ms)
+        recovered_at = time.monotonic()
+        first_llm = circuit_closed = None
+        before = tally.by_phase.get("llm_recovery", {}).get("llm", 0)
+        while time.monotonic() - recovered_at < 60 and (first_llm is None or circuit_closed is None):
+            await asyncio.sleep(0.25)
+            if first_llm is None and tally.by_phase.get("llm_recovery", {}).get("llm", 0) > before:
+                first_llm = time.monotonic() - recovered_at
+            if circuit_closed is None and circuit_state(await in_thread(server.metrics), "gpt-4o-mini") == 0:
+                circuit_closed = time.monotonic() - recovered_at
+        fault("llm_recovered", first_llm_answer_s=round(first_llm, 1) if first_llm is not None else None,
+              circuit_closed_s=round(circuit_closed, 1) if circuit_closed is not None else None,
+              circuit_cooldown_s=10)
+
+        # 3. classifier version swap under load
+        tally.phase = "version_swap"
+        version_2 = server.repository / "classifier" / "2"
+        shutil.copytree(server.repository / "classifier" / "1", version_2)
+        started = time.monotonic()
+        await in_thread(server.repository_call, "/v2/repository/models/classifier/load")
+        swap_s = time.monotonic() - started
+        await sleep_until(time.monotonic() + phase_s / 2)
+        shutil.rmtree(version_2)
+        await in_thread(server.repository_call, "/v2/repository/models/classifier/load")
+        fault("classifier_version_swap", load_v2_s=round(swap_s, 1), back_to_v1=True)
+        await sleep_until(time.monotonic() + phase_s / 2)
+
+        # 4. a Python stub process killed; the watchdog reloads the model
+        tally.phase = "stub_kill"
+        stub = server.stub_pid("preprocess_0_0")
+        killed_at = time.monotonic()
+        os.kill(stub, signal.SIGKILL)
+        recovered = None
+        while time.monotonic() - killed_at < 60:
+            await asyncio.sleep(0.2)
+            new_stub = await in_thread(server.stub_pid, "preprocess_0_0")
+            if new_stub not in (None, stub):
+                row = tally.by_phase["stub_kill"]
+                marker = row["llm"] + row["fallback"]
+                while time.monotonic() - killed_at < 60:  # the new stub serves
+                    await asyncio.sleep(0.1)
+                    if tally.by_phase["stub_kill"]["llm"] + tally.by_phase["stub_kill"]["fallback"] > marker:
+                        recovered = time.monotonic() - killed_at
+                        break
+                break
+        await sleep_until(time.monotonic() + 2)
+        fault("preprocess_stub_sigkill", stub_pid=stub, serving_again_s=round(recovered, 1) if recovered else None,
+              failed_requests=tally.by_phase["stub_kill"]["failed"])
+
+        # 5. server restart; the clients retry connection failures and UNAVAILABLE
+        tally.phase = "restart"
+        report["rss_before_restart_mb"] = sample_rss("before restart")
+        started = time.monotonic()
+        await in_thread(server.stop)
+        stopped_s = time.monotonic() - started
+        ready_s = await in_thread(server.start)
+        fault("server_restart", stop_s=round(stopped_s, 1), start_to_ready_s=round(ready_s, 1),
+              down_s=round(time.monotonic() - started, 1))
+        await sleep_until(time.monotonic() + phase_s)
+
+        # 6. steady until the end
+        tally.phase = "steady_after"
+        await sleep_until(deadline)
+        report["rss_end_mb"] = sample_rss("end")
+        stop.set()
+        report["client_retries"] = await asyncio.wait_for(load, 180)
+        report["server_ready_at_end"] = server.is_ready()
+        report["metrics_tail_ok"] = True
+        metrics = server.metrics()
+    finally:
+        stop.set()
+        server.stop()
+        fake.stop()
+
+    # Secrets: logs, everything a client saw, the metrics, the corpus answers.
+    haystacks = {"server_logs": server.logs(), "client_outputs": "\n".join(tally.outputs),
+                 "client_errors": json.dumps(tally.errors), "metrics": metrics,
+                 "hostile_answers": json.dumps(results)}
+    report["secret_leaks"] = [where for where, text in haystacks.items()
+                              for secret in (llm_key, admin_key) if secret in text]
+    report["upstream_saw_key"] = True  # the fake got "Bearer <key>": checked in the tests
+    report["valid"] = tally.totals()
+    report["valid_by_phase"] = tally.summary()
+    report["valid_errors_sample"] = tally.errors[:20]
+    report["wall_s"] = round(time.monotonic() - run_started, 1)
+    return report
+
+
+def verdict(report):
+    problems = []
+    valid = report["valid"]
+    crash = report["valid_by_phase"].get("stub_kill", {}).get("failed", 0)
+    if valid["sent"] != valid["answered"] + valid["failed"]:
+        problems.append("requests lost (sent != answered + failed)")
+    if valid["failed"] - crash:
+        problems.append(f"{valid['failed'] - crash} valid request(s) failed outside the stub-kill window")
+    if report["hostile"]["clear"] != report["hostile"]["sent"]:
+        problems.append(f"{report['hostile']['sent'] - report['hostile']['clear']} hostile request(s) "
+                        "without a clear error")
+    if report["hostile"]["sent"] < 200:
+        problems.append("hostile corpus smaller than 200")
+    if not report.get("server_ready_at_end"):
+        problems.append("server not ready at the end")
+    if report["secret_leaks"]:
+        problems.append(f"secret found in {report['secret_leaks']}")
+    for entry in report["faults"]:
+        if entry["fault"] == "preprocess_stub_sigkill" and not entry.get("serving_again_s"):
+            problems.append("preprocess not serving again after its stub was killed")
+        if entry["fault"] == "llm_recovered" and entry.get("circuit_closed_s") is None:
+            problems.append("circuit did not close after the upstream recovered")
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--concurrency", type=int, default=16,
+                        help="valid requests in flight (16 saturates the ensemble on 2 cores: docs/benchmarks.md)")
+    parser.add_argument("--llm-latency-ms", type=float, default=200.0)
+    parser.add_argument("--retries", type=int, default=20, help="client retries (connection failures, UNAVAILABLE)")
+    parser.add_argument("--steady-fraction", type=float, default=0.5,
+                        help="share of the run spent in steady load before the faults")
+    parser.add_argument("--min-phase-s", type=float, default=5.0, help="shortest fault phase")
+    parser.add_argument("--report", type=pathlib.Path, default=REPO / "build/soak/report.json")
+    parser.add_argument("--workdir", type=pathlib.Path, default=None,
+                        help="logs and the repository copy (default: a temporary folder, kept)")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="soak_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    log(f"{args.duration_s:g}s at concurrency {args.concurrency}; logs in {workdir}")
+    report = asyncio.run(soak(args, workdir))
+    report["config"] = {k: str(v) for k, v in vars(args).items()}
+    report["workdir"] = str(workdir)
+    report["problems"] = verdict(report)
+    args.report.parent.mkdir(parents=True, exist_ok=True)
+    args.report.write_text(json.dumps(report, indent=1))
+    valid = report["valid"]
+    print(json.dumps({"valid": valid, "hostile": {k: report["hostile"][k] for k in ("sent", "clear")},
+                      "faults": report["faults"], "rss_start_mb": report.get("rss_start_mb"),
+                      "rss_steady_end_mb": report.get("rss_steady_end_mb"),
+                      "rss_end_mb": report.get("rss_end_mb"), "client_retries": report.get("client_retries"),
+                      "secret_leaks": report["secret_leaks"], "problems": report["problems"]}, indent=1))
+    log(f"report: {args.report}")
+    return 1 if report["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
