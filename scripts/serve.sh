@@ -9,7 +9,8 @@
 #   LLM_BASE_URL, LLM_MODEL, LLM_API_KEY, LLM_API_KEY_FILE: see docs/llm-endpoints.md
 #   TRITON_ADMIN_KEY=...  restrict model control, the repository index and shared
 #                         memory (HTTP and gRPC) to callers sending header
-#                         `admin-key: <key>`; inference, health, metadata stay open
+#                         `admin-key: <key>` (gRPC: `triton-grpc-protocol-admin-key`);
+#                         inference, health, metadata stay open
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
 #                         see scripts/hardening_watchdog.py and docs/reliability.md
 set -euo pipefail

@@ -1,0 +1,36 @@
+"""`make soak` in small (scripts/soak.py --duration-s 40): its own fake upstream and
+server, every phase (steady + hostile corpus, LLM faults and recovery, version
+swap, stub SIGKILL, restart with retrying clients), then the verdict: no valid
+request lost, failures only while the killed stub was down, every hostile
+request answered clearly, no secret anywhere."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_short_soak_with_every_fault(tmp_path):
+    report_path = tmp_path / "report.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "scripts/soak.py"), "--duration-s", "40", "--concurrency", "6",
+         "--min-phase-s", "3", "--report", str(report_path), "--workdir", str(tmp_path / "work")],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert report_path.exists(), run.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    print(run.stdout)
+    assert run.returncode == 0, (report["problems"], run.stderr[-3000:])
+    valid = report["valid"]
+    assert valid["sent"] == valid["answered"] + valid["failed"] and valid["answered"] > 100
+    assert report["hostile"]["sent"] >= 200 and report["hostile"]["clear"] == report["hostile"]["sent"]
+    faults = {f["fault"]: f for f in report["faults"]}
+    assert faults["llm_recovered"]["circuit_closed_s"] is not None
+    assert faults["preprocess_stub_sigkill"]["serving_again_s"] is not None
+    assert faults["server_restart"]["start_to_ready_s"] > 0
+    assert report["rss_start_mb"] > 0 and report["rss_end_mb"] > 0
+    assert report["secret_leaks"] == []
