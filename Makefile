@@ -41,6 +41,10 @@ help:
 	@echo "make build          venv + Triton $(TRITON_VERSION) + backends + model artifacts"
 	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
+	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
+	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
+	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
+	@echo "make rehearse       two replicas behind nginx, one restarted under load"
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
