@@ -21,52 +21,21 @@ usage: .venv/bin/python scripts/bench_describe.py [--latencies 0 1000] [--concur
 import argparse
 import asyncio
 import json
-import os
 import pathlib
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import aiohttp
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.local_stack import FakeLLM, NotReady, TritonServer  # noqa: E402
+
 LABELS = ["tabby, tabby cat", "tiger cat", "Egyptian cat", "lynx", "Persian cat"]
 SCORES = [0.62, 0.21, 0.09, 0.03, 0.01]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url, process, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            sys.exit(f"bench: {what} exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    sys.exit(f"bench: {what} not ready after {timeout_s}s")
-
-
-def stop(process):
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def percentiles(samples_s):
@@ -154,23 +123,21 @@ async def sequential_sdk(base_url, count, tag):
 
 
 def run_one_latency(latency_ms, args, workdir):
-    fake_port, http_port, grpc_port, metrics_port = free_port(), free_port(), free_port(), free_port()
-    fake = subprocess.Popen([sys.executable, "-m", "tests.fake_openai", "--port", str(fake_port),
-                             "--latency-ms", str(latency_ms)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     repo = workdir / f"repo_{latency_ms}"
     repo.mkdir()
     for name in ("describe", "classifier"):
         (repo / name).symlink_to(REPO / "model_repository" / name)
-    env = dict(os.environ, HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
-               MODEL_REPOSITORY=str(repo), LLM_BASE_URL=f"http://127.0.0.1:{fake_port}/v1",
-               LLM_API_KEY="sk-bench", LLM_CACHE_ENABLED="false")
-    log = open(workdir / f"triton_{latency_ms}.log", "w")
-    server = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT)
+    fake = server = None
     try:
-        wait_http(f"http://127.0.0.1:{fake_port}/_admin/stats", fake, 30, "fake upstream")
-        wait_http(f"http://127.0.0.1:{http_port}/v2/models/describe/ready", server, 300, "tritonserver")
+        try:
+            fake = FakeLLM(workdir / f"fake_{latency_ms}.log", latency_ms)
+            server = TritonServer(workdir, {"LLM_BASE_URL": fake.base_url, "LLM_API_KEY": "sk-bench",
+                                            "LLM_CACHE_ENABLED": "false"},
+                                  repository=repo, log_path=workdir / f"triton_{latency_ms}.log")
+            server.start()
+        except NotReady as error:
+            sys.exit(f"bench: {error}")
+        fake_port, http_port = fake.port, server.http_port
         via = f"http://127.0.0.1:{http_port}/v2/models/describe/infer"
         direct = f"http://127.0.0.1:{fake_port}/v1/chat/completions"
         sequential_count = args.sequential if latency_ms < 100 else max(20, args.sequential // 10)
@@ -190,9 +157,9 @@ def run_one_latency(latency_ms, args, workdir):
                                 "triton_rps": triton_rps, "triton_latency": percentiles(lat)}
         return result
     finally:
-        stop(server)
-        stop(fake)
-        log.close()
+        for handle in (server, fake):
+            if handle is not None:
+                handle.stop()
 
 
 def main():

@@ -38,6 +38,11 @@ import time
 import urllib.error
 import urllib.request
 
+# serve.sh runs this file as a script; the /proc helpers are shared with
+# scripts/soak.py through scripts/local_stack.py (standard library only).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.local_stack import children  # noqa: E402
+
 STUB_NAME = "triton_python_backend_stub"
 INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
 # Instance stubs are named <model>_<group>_<instance>. A stub named after the
@@ -47,21 +52,6 @@ INSTANCE_RE = re.compile(r"^(.+)_\d+_\d+$")
 
 def log(message):
     print(f"watchdog: {message}", file=sys.stderr, flush=True)
-
-
-def children(pid):
-    found = set()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.update(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return found
 
 
 def process_state(pid):

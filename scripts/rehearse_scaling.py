@@ -35,7 +35,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,25 +47,19 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from classify_describe.client import AsyncClient, TritonRequestError  # noqa: E402
+from scripts.local_stack import FakeLLM, NotReady, TritonServer, free_port, stop_process  # noqa: E402
 
 FAKE_KEY = "sk-rehearsal-not-a-real-key"
-READY_TIMEOUT_S = 300
 
 
 # -- processes -------------------------------------------------------------------
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def log(message):
     print(f"rehearse: {message}", flush=True)
 
 
 class Started:
-    """The processes this script started; stop() ends each by its own PID."""
+    """The processes this script started; stop_all() ends each by its own PID."""
 
     def __init__(self):
         self.processes = []
@@ -74,23 +67,15 @@ class Started:
     def start(self, name, argv, log_path, **kwargs):
         with open(log_path, "ab") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+        return self.track(name, process)
+
+    def track(self, name, process):
         self.processes.append((name, process))
         return process
 
-    @staticmethod
-    def stop(process, grace_s=60):
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
-        return process.returncode
-
     def stop_all(self):
         for _, process in reversed(self.processes):
-            self.stop(process)
+            stop_process(process)
 
 
 def http_status(url, timeout=2):
@@ -103,39 +88,34 @@ def http_status(url, timeout=2):
         return None
 
 
-def wait_ready(port, process, log_path, timeout_s=READY_TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"rehearse: replica on {port} exited with {process.returncode}; "
-                             f"see {log_path}")
-        if http_status(f"http://127.0.0.1:{port}/v2/health/ready") == 200:
-            return
-        time.sleep(0.25)
-    raise SystemExit(f"rehearse: replica on {port} not ready after {timeout_s}s; see {log_path}")
-
-
 class Replica:
     def __init__(self, name, started, workdir, llm_url, env_extra):
         self.name = name
         self.started = started
-        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
-        self.log_path = workdir / f"replica-{name}.log"
-        self.env = dict(os.environ, HTTP_PORT=str(self.http), GRPC_PORT=str(self.grpc),
-                        METRICS_PORT=str(self.metrics), LLM_BASE_URL=llm_url,
-                        LLM_API_KEY=FAKE_KEY, **env_extra)
         # Loopback only (Triton listens on 0.0.0.0 by default).
-        self.env["TRITON_EXTRA_ARGS"] = " ".join(
-            [self.env.get("TRITON_EXTRA_ARGS", ""), "--http-address=127.0.0.1",
-             "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]).strip()
-        self.process = None
+        extra_args = " ".join([os.environ.get("TRITON_EXTRA_ARGS", ""), "--http-address=127.0.0.1",
+                               "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]).strip()
+        # The committed model_repository/ as it is; a restart appends to the same log.
+        self.server = TritonServer(workdir, {"LLM_BASE_URL": llm_url, "LLM_API_KEY": FAKE_KEY, **env_extra,
+                                             "TRITON_EXTRA_ARGS": extra_args},
+                                   repository=REPO / "model_repository",
+                                   log_path=workdir / f"replica-{name}.log")
+        self.http, self.grpc, self.metrics = (self.server.http_port, self.server.grpc_port,
+                                              self.server.metrics_port)
+
+    @property
+    def process(self):
+        return self.server.process
 
     def start(self):
-        self.process = self.started.start(f"replica {self.name}", [str(REPO / "scripts/serve.sh")],
-                                          self.log_path, cwd=REPO, env=self.env)
+        self.server.start(wait=False)
+        self.started.track(f"replica {self.name}", self.server.process)
 
     def wait_ready(self):
-        wait_ready(self.http, self.process, self.log_path)
+        try:
+            self.server.wait_ready()
+        except NotReady as error:
+            raise SystemExit(f"rehearse: replica {self.name}: {error}") from None
 
     def terminate(self):
         """SIGTERM to this replica's PID (serve.sh passes it to its tritonserver)."""
@@ -435,11 +415,12 @@ def main():
               "settings": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
     ok = False
     try:
-        llm_port = free_port()
-        llm = started.start("fake LLM", [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
-                                         "--port", str(llm_port), "--latency-ms", str(args.llm_latency_ms)],
-                            workdir / "fake-llm.log", cwd=REPO)
-        llm_url = f"http://127.0.0.1:{llm_port}/v1"
+        try:
+            llm = FakeLLM(workdir / "fake-llm.log", args.llm_latency_ms)
+        except NotReady as error:
+            raise SystemExit(f"rehearse: {error}") from None
+        started.track("fake LLM", llm.process)
+        llm_port, llm_url = llm.port, llm.base_url
         # The describe step's settings as the ConfigMap sets them (deploy/base/configmap-llm.yaml).
         env_extra = {"LLM_TIMEOUT_S": "15", "LLM_TOTAL_TIMEOUT_S": "25", "LLM_MAX_ATTEMPTS": "2"}
         replicas = [Replica(name, started, workdir, llm_url, env_extra) for name in ("a", "b")]

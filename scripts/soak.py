@@ -36,8 +36,6 @@ import pathlib
 import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,28 +48,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from classify_describe import AsyncClient, TritonRequestError  # noqa: E402
+from scripts.local_stack import FakeLLM, TritonServer, http_json, process_tree, rss_mb  # noqa: E402
 
 ENSEMBLE = "classify_and_describe"
-READY_TIMEOUT_S = 300
 
 
 def log(message):
     print(f"soak: {message}", file=sys.stderr, flush=True)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def http_json(url, payload=None, timeout=10, headers=None):
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read()
-    return json.loads(body) if body else None
 
 
 def photos():
@@ -81,64 +64,11 @@ def photos():
     return {name: (data_dir / f"{name}.png").read_bytes() for name in ("chelsea", "coffee")}
 
 
-# -- memory -------------------------------------------------------------------------
-
-def process_tree(pid):
-    """pid and its descendants (tritonserver and its Python stub processes)."""
-    seen, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        seen.append(current)
-        try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return seen
-
-
-def rss_mb(pid):
-    """Sum of VmRSS over tritonserver and its children, in MB (zombies count 0)."""
-    total_kb = 0
-    for member in process_tree(pid):
-        try:
-            with open(f"/proc/{member}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total_kb += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total_kb / 1024, 1)
-
-
 # -- the processes --------------------------------------------------------------------
 
-class FakeUpstream:
+class FakeUpstream(FakeLLM):
     def __init__(self, workdir, latency_ms):
-        self.port = free_port()
-        self.log_path = workdir / "fake_llm.log"
-        with open(self.log_path, "w") as log_file:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--latency-ms", str(latency_ms)],
-                cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.admin("stats")
-                return
-            except OSError:
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f"fake upstream did not start; see {self.log_path}")
-                time.sleep(0.2)
-
-    @property
-    def base_url(self):
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def admin(self, path, payload=None):
-        return http_json(f"http://127.0.0.1:{self.port}/_admin/{path}", payload)
+        super().__init__(workdir / "fake_llm.log", latency_ms)
 
     def mode(self, mode, **options):
         deadline = time.monotonic() + 15  # after "refuse" the admin API is back only when it listens
@@ -150,67 +80,22 @@ class FakeUpstream:
                     raise
                 time.sleep(0.2)
 
-    def stop(self):
-        stop_process(self.process, 10)
 
-
-def stop_process(process, grace_s=60):
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
-
-
-class Server:
-    """scripts/serve.sh on fixed ports (a restart comes back on the same ones)."""
+class Server(TritonServer):
+    """scripts/serve.sh on fixed ports (a restart comes back on the same ones),
+    one log per start."""
 
     def __init__(self, workdir, env):
-        self.workdir = workdir
-        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.repository = workdir / "model_repository"
-        shutil.copytree(REPO / "model_repository", self.repository)
-        self.env = dict(os.environ, HTTP_PORT=str(self.http_port), GRPC_PORT=str(self.grpc_port),
-                        METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository),
-                        **env)
+        super().__init__(workdir, env)
         self.admin_headers = {"admin-key": env["TRITON_ADMIN_KEY"]} if env.get("TRITON_ADMIN_KEY") else {}
         self.log_paths = []
-        self.process = None
         self.starts = 0
 
-    @property
-    def http_url(self):
-        return f"127.0.0.1:{self.http_port}"
-
     def start(self):
+        """Seconds until ready."""
         self.starts += 1
-        log_path = self.workdir / f"tritonserver.{self.starts}.log"
-        self.log_paths.append(log_path)
-        with open(log_path, "w") as log_file:
-            self.process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=self.env,
-                                            stdout=log_file, stderr=subprocess.STDOUT)
-        started = time.monotonic()
-        while not self.is_ready():
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}; see {log_path}")
-            if time.monotonic() - started > READY_TIMEOUT_S:
-                raise RuntimeError(f"tritonserver not ready after {READY_TIMEOUT_S}s; see {log_path}")
-            time.sleep(0.25)
-        return time.monotonic() - started
-
-    def stop(self):
-        if self.process is not None:
-            stop_process(self.process)
-
-    def is_ready(self):
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=3) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        self.log_paths.append(self.workdir / f"tritonserver.{self.starts}.log")
+        return super().start(log_path=self.log_paths[-1])
 
     def triton_pid(self):
         """tritonserver is serve.sh's child."""
@@ -236,10 +121,6 @@ class Server:
             if len(argv) > 8 and argv[8].decode(errors="replace") == instance:
                 return child
         return None
-
-    def metrics(self):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            return r.read().decode()
 
     def repository_call(self, path, payload=None, timeout=120):
         return http_json(f"http://{self.http_url}{path}", payload if payload is not None else {},

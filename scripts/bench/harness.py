@@ -4,149 +4,64 @@ tritonserver started by scripts/serve.sh on a temp copy of model_repository/.
 Plus perf_analyzer runs (bounded in time) and Triton's statistics API."""
 
 import csv
-import json
 import os
 import pathlib
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run.py runs with scripts/bench/ on sys.path, not the root
+
+from scripts.local_stack import FakeLLM as _FakeLLM, NotReady, TritonServer, free_port, http_json, log_tail  # noqa: E402
+
 PERF_ANALYZER = REPO / "build/perf_analyzer/bin/perf_analyzer"
 BENCH_API_KEY = "sk-bench-not-a-real-key"
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def http_json(url, payload=None, timeout=30):
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                     method="GET" if data is None else "POST")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read()
-    return json.loads(body) if body else None
-
-
-def _stop(process, grace_s=60):
-    if process is None or process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
-
-
-def _tail(path, lines=40):
-    try:
-        return "\n".join(pathlib.Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-class FakeLLM:
+class FakeLLM(_FakeLLM):
     """tests/fake_openai as its own process; its latency is changed through its admin API."""
 
     def __init__(self, workdir, latency_ms=0.0):
-        self.port = free_port()
-        self.log_path = pathlib.Path(workdir) / f"fake_llm_{self.port}.log"
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--latency-ms", str(latency_ms)],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"fake LLM exited:\n{_tail(self.log_path)}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"fake LLM not listening after 30 s:\n{_tail(self.log_path)}")
-                time.sleep(0.1)
-
-    @property
-    def base_url(self):
-        return f"http://127.0.0.1:{self.port}/v1"
+        super().__init__(pathlib.Path(workdir) / "fake_llm.log", latency_ms)
 
     def set_latency(self, latency_ms):
-        http_json(f"http://127.0.0.1:{self.port}/_admin/mode", {"mode": "ok", "latency_ms": latency_ms})
+        self.admin("mode", {"mode": "ok", "latency_ms": latency_ms}, timeout=30)
 
     def stats(self):
-        return http_json(f"http://127.0.0.1:{self.port}/_admin/stats")
-
-    def stop(self):
-        _stop(self.process, grace_s=10)
+        return self.admin("stats", timeout=30)
 
 
-class Triton:
+class Triton(TritonServer):
     """scripts/serve.sh on a temp copy of model_repository/ (so configs can be swapped)."""
 
     def __init__(self, workdir, llm_base_url, extra_env=None, ready_timeout_s=300):
         workdir = pathlib.Path(workdir)
-        self.repository = workdir / "model_repository"
-        if not self.repository.exists():
-            shutil.copytree(REPO / "model_repository", self.repository)
+        env = {"LLM_BASE_URL": llm_base_url, "LLM_API_KEY": BENCH_API_KEY, **(extra_env or {}),
+               # the key comes from LLM_API_KEY only; the tuning sweep reloads
+               # models over the plain HTTP API
+               "LLM_API_KEY_FILE": None, "TRITON_ADMIN_KEY": None}
+        super().__init__(workdir, env)
         started = time.monotonic()
+        deadline = started + ready_timeout_s
         # A free port can be taken by another process between our probe and the
-        # server's bind (other test servers start on this machine too): one retry.
+        # server's bind (other test servers start on this machine too): one
+        # retry on new ports when it exited early, none when it timed out.
         for attempt in range(2):
-            if self._start(workdir, llm_base_url, extra_env, started + ready_timeout_s, last=attempt == 1):
+            try:
+                self.start(timeout_s=deadline - time.monotonic(),
+                           log_path=workdir / f"tritonserver_{self.http_port}.log")
                 break
+            except NotReady:
+                if attempt == 1 or time.monotonic() > deadline:
+                    raise
+                self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
         self.startup_s = time.monotonic() - started
-
-    def _start(self, workdir, llm_base_url, extra_env, deadline, last):
-        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
-        self.log_path = workdir / f"tritonserver_{self.http_port}.log"
-        env = dict(os.environ, HTTP_PORT=str(self.http_port), GRPC_PORT=str(self.grpc_port),
-                   METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository),
-                   LLM_BASE_URL=llm_base_url, LLM_API_KEY=BENCH_API_KEY, **(extra_env or {}))
-        env.pop("LLM_API_KEY_FILE", None)
-        env.pop("TRITON_ADMIN_KEY", None)  # the tuning sweep reloads models over the plain HTTP API
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-        while not self.is_ready():
-            if self.process.poll() is not None:
-                if not last:
-                    return False
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{_tail(self.log_path)}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"tritonserver not ready in time:\n{_tail(self.log_path)}")
-            time.sleep(0.5)
-        return True
-
-    @property
-    def http_url(self):
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self):
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def is_ready(self):
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
 
     def stats(self):
         """{model: {count, exec_count, queue_ms, compute_ms (input+infer+output) summed}}."""
         out = {}
-        for entry in http_json(f"http://{self.http_url}/v2/models/stats")["model_stats"]:
+        for entry in http_json(f"http://{self.http_url}/v2/models/stats", timeout=30)["model_stats"]:
             inference = entry["inference_stats"]
             out[entry["name"]] = {
                 "count": inference["success"]["count"],
@@ -162,9 +77,6 @@ class Triton:
     def load(self, model):
         """(Re)load a model from the temp repository (after its config.pbtxt changed)."""
         http_json(f"http://{self.http_url}/v2/repository/models/{model}/load", {}, timeout=300)
-
-    def stop(self):
-        _stop(self.process)
 
 
 def stats_delta(before, after):
@@ -204,14 +116,14 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
                 subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
                 break
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n{_tail(log_path)}")
+                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n{log_tail(log_path, 40)}")
             except subprocess.CalledProcessError as exc:
                 # A window in which no request finished (a loaded machine, a slow LLM): twice as long.
                 if attempt < 2 and "No valid requests recorded" in pathlib.Path(log_path).read_text(errors="replace"):
                     index = command.index("--measurement-interval") + 1
                     command[index] = str(int(command[index]) * 2)
                     continue
-                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n{_tail(log_path)}")
+                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n{log_tail(log_path, 40)}")
     with open(csv_path) as handle:
         row = next(csv.DictReader(handle))
     us = lambda key: float(row[key]) / 1000.0  # noqa: E731

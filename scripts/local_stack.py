@@ -1,0 +1,254 @@
+"""Start and stop the local stack on free loopback ports: the fake LLM upstream
+(tests/fake_openai) and tritonserver via scripts/serve.sh; everything is
+stopped by its PID, never by name (other servers may run on this machine).
+
+One implementation shared by the integration tests (tests/integration/
+conftest.py), the benchmarks (scripts/bench/), `make soak`, `make rehearse`,
+scripts/bench_describe.py and the stub watchdog. Standard library only: the
+watchdog runs it under whatever Python serve.sh finds.
+
+Import it as `scripts.local_stack` with the repository root on sys.path (the
+scripts insert it, as they do for classify_describe)."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SERVE_SH = REPO / "scripts/serve.sh"
+READY_TIMEOUT_S = 300
+
+
+class NotReady(RuntimeError):
+    """A process we started exited or did not come up in time; the message
+    carries its log tail, so the caller can report it as it is."""
+
+
+# -- small helpers ------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_json(url, payload=None, timeout=10, headers=None):
+    """GET (no payload) or POST JSON; the decoded answer, or None for an empty body."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    return json.loads(body) if body else None
+
+
+def log_tail(path, lines=60):
+    # Used while reporting another failure: a missing log must not hide that one.
+    try:
+        return "\n".join(pathlib.Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop_process(process, grace_s=60):
+    """Stop one process we started, by its PID: TERM, then KILL after a grace
+    period (tritonserver drains for up to --exit-timeout-secs=30). Returns its
+    exit status."""
+    if process is None:
+        return None
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    return process.returncode
+
+
+# -- /proc: a server's process tree ---------------------------------------------------
+
+def children(pid):
+    """Direct children of pid (tritonserver's are its Python stub processes)."""
+    found = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.update(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def process_tree(pid):
+    """pid and all its descendants, pid first."""
+    seen, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        seen.append(current)
+        todo.extend(children(current))
+    return seen
+
+
+def rss_mb(pid):
+    """Sum of VmRSS over pid and its descendants, in MB (zombies count 0)."""
+    total_kb = 0
+    for member in process_tree(pid):
+        try:
+            with open(f"/proc/{member}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total_kb += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total_kb / 1024, 1)
+
+
+# -- the processes ----------------------------------------------------------------------
+
+def _wait_listening(port, process, log_path, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise NotReady(f"{what} exited with {process.returncode}:\n{log_tail(log_path)}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise NotReady(f"nothing listened on {port} after {timeout_s}s ({what}):\n"
+                               f"{log_tail(log_path)}") from None
+            time.sleep(0.1)
+
+
+class FakeLLM:
+    """tests/fake_openai as its own process, listening when the constructor
+    returns; driven through its admin API (mode, latency, stats, reset)."""
+
+    def __init__(self, log_path, latency_ms=0.0, ready_timeout_s=30):
+        self.port = free_port()
+        self.log_path = pathlib.Path(log_path)
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--latency-ms", str(latency_ms)],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_listening(self.port, self.process, self.log_path, ready_timeout_s, "fake LLM")
+        except NotReady:
+            self.stop()
+            raise
+
+    @property
+    def base_url(self):
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def admin(self, path, payload=None, timeout=10):
+        return http_json(f"http://127.0.0.1:{self.port}/_admin/{path}", payload, timeout=timeout)
+
+    def stop(self):
+        stop_process(self.process, grace_s=10)
+
+
+class TritonServer:
+    """scripts/serve.sh on free loopback ports, as `make run` starts it.
+
+    repository: None for a copy of the committed model_repository/ (built by
+    `make build`) in workdir, so callers may edit configs or add versions
+    without touching the tree; else a directory used as it is.
+    env: added to os.environ (LLM_BASE_URL, LLM_API_KEY, ...); a None value
+    removes that variable. The ports stay the same for the handle's life, so
+    start() after stop() is a restart on the same ports."""
+
+    def __init__(self, workdir, env=None, repository=None, log_path=None, command_prefix=()):
+        self.workdir = pathlib.Path(workdir)
+        self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        if repository is None:
+            repository = self.workdir / "model_repository"
+            if not repository.exists():
+                shutil.copytree(REPO / "model_repository", repository)
+        self.repository = pathlib.Path(repository)
+        self.log_path = pathlib.Path(log_path) if log_path else self.workdir / "tritonserver.log"
+        self.extra_env = dict(env or {})
+        self.command_prefix = list(command_prefix)
+        self.process = None
+
+    @property
+    def env(self):
+        env = dict(os.environ, HTTP_PORT=str(self.http_port), GRPC_PORT=str(self.grpc_port),
+                   METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository))
+        for key, value in self.extra_env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    @property
+    def http_url(self):
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self):
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self):
+        return f"127.0.0.1:{self.metrics_port}"
+
+    def start(self, wait=True, timeout_s=READY_TIMEOUT_S, log_path=None):
+        """Start serve.sh (its log appended to log_path, default self.log_path);
+        with wait, return the seconds until ready or raise NotReady."""
+        if log_path is not None:
+            self.log_path = pathlib.Path(log_path)
+        started = time.monotonic()
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen([*self.command_prefix, str(SERVE_SH)], cwd=REPO,
+                                            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_ready(deadline=started + timeout_s)
+            return time.monotonic() - started
+        return None
+
+    def wait_ready(self, deadline=None):
+        """Until /v2/health/ready answers 200. A server that exits or misses
+        the deadline is stopped, so no caller leaves one running."""
+        if deadline is None:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.is_ready():
+            if self.process.poll() is not None:
+                raise NotReady(f"tritonserver exited with {self.process.returncode} (log {self.log_path}):\n"
+                               f"{log_tail(self.log_path)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise NotReady(f"tritonserver on {self.http_url} not ready in time (log {self.log_path}):\n"
+                               f"{log_tail(self.log_path)}")
+            time.sleep(0.25)
+
+    def is_ready(self):
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=5) as r:
+                return r.status == 200
+        except OSError:  # refused, reset, timed out, or an HTTPError (503 while loading)
+            return False
+
+    def metrics(self):
+        with urllib.request.urlopen(f"http://{self.metrics_url}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log(self):
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self):
+        return stop_process(self.process)
