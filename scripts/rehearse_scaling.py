@@ -46,7 +46,7 @@ import urllib.request
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from classify_describe.client import AsyncClient, TritonRequestError  # noqa: E402
+from classify_describe.client import AsyncClient  # noqa: E402
 from scripts.local_stack import FakeLLM, NotReady, TritonServer, free_port, stop_process  # noqa: E402
 
 FAKE_KEY = "sk-rehearsal-not-a-real-key"

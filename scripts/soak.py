@@ -47,7 +47,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from classify_describe import AsyncClient, TritonRequestError  # noqa: E402
+from classify_describe import AsyncClient  # noqa: E402
 from scripts.local_stack import FakeLLM, TritonServer, http_json, process_tree, rss_mb  # noqa: E402
 
 ENSEMBLE = "classify_and_describe"

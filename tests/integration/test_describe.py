@@ -13,9 +13,6 @@ import json
 import os
 import pathlib
 import re
-import signal
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -26,6 +23,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+
+from scripts.local_stack import TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "describe"
@@ -50,12 +49,6 @@ def restore_fake(fake_llm):
 @pytest.fixture(scope="module")
 def client(triton):
     return httpclient.InferenceServerClient(triton.http_url, network_timeout=120, connection_timeout=120)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def unique(text="Describe"):
@@ -289,39 +282,23 @@ def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_l
     repo.mkdir()
     for name in ("describe", "classifier"):
         (repo / name).symlink_to(REPO / "model_repository" / name)
-    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLM_")}
-    env.update(HTTP_PORT=str(http_port), GRPC_PORT=str(grpc_port), METRICS_PORT=str(metrics_port),
-               MODEL_REPOSITORY=str(repo), LLM_BASE_URL=fake_llm.base_url)
-    log_path = tmp_path / "nokey.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([str(REPO / "scripts/serve.sh")], cwd=REPO, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT)
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
+    # None removes a variable: no LLM_* setting of the caller's leaks in.
+    env = {name: None for name in os.environ if name.startswith("LLM_")}
+    env.update(LLM_API_KEY=None, LLM_BASE_URL=fake_llm.base_url)
+    server = TritonServer(tmp_path, env, repository=repo)
+    client = None
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if client.is_model_ready(MODEL):
-                    break
-            except Exception:
-                pass
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.3)
+        server.start(timeout_s=120)
+        client = httpclient.InferenceServerClient(server.http_url)
         before = stats(fake_llm)["requests"]
         for _ in range(3):
             text, source, usage = describe(client, unique())
             assert source == "fallback" and usage["fallback_reason"] == "no_api_key"
             assert text.startswith("Most likely a tabby")
         assert stats(fake_llm)["requests"] == before
-        log = log_path.read_text()
+        log = server.log()
         assert log.count("no API key found") == 1 and "LLM_API_KEY" in log and "LLM_BASE_URL" in log
     finally:
-        client.close()  # an open keep-alive connection would hold the shutdown for exit-timeout-secs
-        process.send_signal(signal.SIGTERM)  # our own server, by its PID
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        if client is not None:
+            client.close()  # an open keep-alive connection would hold the shutdown for exit-timeout-secs
+        server.stop()
