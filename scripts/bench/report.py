@@ -258,7 +258,7 @@ def write(results, out_path, plots_dir):
     add("## 1. Classification: Triton vs in-process TorchScript\n")
     add(f"`classify` (IMAGE bytes in, LABELS/SCORES out) under perf_analyzer at concurrency {params['classify_c']}, "
         "against `scripts/bench/inprocess.py`: the same decode/preprocess code (`backends/image_preprocess`) and "
-        "classifier code (`backends/torchscript_classifier`) in one process, with the same torch threads "
+        "classifier code (`backends/torchscript_classifier`) in one process, with as many torch threads as the classifier's instances use together "
         f"({_threads(results)}), at each batch size up to the largest the server's batcher prefers "
         f"(shipped classifier config: {results['meta'].get('classifier_config', '?')}); the baseline is the best "
         f"of those batch sizes. {params['repeats']} turn(s) of Triton then in-process; the ratio is the median. "
@@ -419,7 +419,7 @@ def write(results, out_path, plots_dir):
 
 
 def _threads(results):
-    return f"torch_num_threads {results['meta'].get('torch_threads', '?')}, interop 1"
+    return f"{results['meta'].get('torch_threads', '?')} torch thread(s), interop 1"
 
 
 def _version(name):

@@ -376,11 +376,14 @@ def main(argv=None):
         # distinct prompt: each request is one real upstream call.
         ctx.triton = harness.Triton(workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
         meta["server_startup_s"] = ctx.triton.startup_s
-        threads = re.search(r'torch_num_threads" value \{ string_value: "(\d+)"',
-                            (ctx.triton.repository / "classifier/config.pbtxt").read_text())
-        ctx.torch_threads = int(threads.group(1)) if threads else 1
-        meta["torch_threads"] = ctx.torch_threads
         shipped_config = (ctx.triton.repository / "classifier/config.pbtxt").read_text()
+        threads = re.search(r'torch_num_threads" value \{ string_value: "(\d+)"', shipped_config)
+        instances = re.search(r"count: (\d+), kind: KIND_CPU", shipped_config)
+        # The in-process baseline gets as many torch threads as all classifier
+        # instances use together: the same compute, spent in one process.
+        ctx.torch_threads = ((int(threads.group(1)) if threads else 1)
+                             * (int(instances.group(1)) if instances else 1))
+        meta["torch_threads"] = ctx.torch_threads
         meta["classifier_config"] = describe_classifier_config(shipped_config)
         preferred = re.search(r"preferred_batch_size: \[([^\]]*)\]", shipped_config)
         meta["policy_max_batch"] = max(int(b) for b in preferred.group(1).split(",")) if preferred else 1
