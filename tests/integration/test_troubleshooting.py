@@ -72,3 +72,48 @@ def test_unknown_model_names_the_model(triton):
     with pytest.raises(httpclient.InferenceServerException) as error:
         client.infer("clasify_and_describe", [])
     assert "clasify_and_describe" in error.value.message()
+
+
+def test_a_lying_bytes_element_fails_only_its_own_request(triton, photos):
+    """A BYTES element whose 4-byte length prefix claims 2 GB, sent over raw HTTP
+    while valid requests flow: only the liar gets the error. With dynamic
+    batching on `preprocess`, Triton 2.51 failed the whole batch it landed in."""
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    header = json.dumps({"inputs": [{"name": "IMAGE", "shape": [1, 1], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 8}}]}).encode()
+    body = header + b"\xff\xff\xff\x7fabcd"
+    deadline = time.monotonic() + 5
+    liar_errors, valid_ok, valid_failed = [], [], []
+
+    def liar():
+        while time.monotonic() < deadline:
+            request = urllib.request.Request(
+                f"http://{triton.http_url}/v2/models/classify/infer", data=body, method="POST",
+                headers={"Inference-Header-Content-Length": str(len(header))})
+            try:
+                urllib.request.urlopen(request, timeout=30).read()
+            except urllib.error.HTTPError as error:
+                liar_errors.append(error.code)
+
+    def valid():
+        client = httpclient.InferenceServerClient(triton.http_url)
+        while time.monotonic() < deadline:
+            try:
+                valid_ok.append(classify(client, [photos["coffee"]])[0])
+            except httpclient.InferenceServerException as error:
+                valid_failed.append(error.message())
+
+    threads = [threading.Thread(target=liar) for _ in range(2)]
+    threads += [threading.Thread(target=valid) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert liar_errors and set(liar_errors) == {400}
+    assert valid_failed == []
+    assert valid_ok and set(valid_ok) == {b"espresso"}
