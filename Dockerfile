@@ -35,4 +35,4 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
 
 # LLM_BASE_URL, LLM_MODEL, LLM_API_KEY / LLM_API_KEY_FILE come from the
 # environment at run time (docs/llm-endpoints.md); nothing secret is baked in.
-CMD ["tritonserver", "--model-repository=/models", "--cache-config=local,size=268435456", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30"]
+CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30"]

@@ -4,7 +4,7 @@
 #
 # Environment (all optional):
 #   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002
-#   MODEL_REPOSITORY=model_repository   CACHE_SIZE=268435456 (response cache, bytes)
+#   MODEL_REPOSITORY=model_repository
 #   READY_TIMEOUT=300 (seconds)          TRITON_EXTRA_ARGS="--log-verbose=1 ..."
 #   LLM_BASE_URL, LLM_MODEL, LLM_API_KEY, LLM_API_KEY_FILE: see docs/llm-endpoints.md
 #   TRITON_ADMIN_KEY=...  restrict model control, the repository index and shared
@@ -20,7 +20,6 @@ HTTP_PORT="${HTTP_PORT:-8000}"
 GRPC_PORT="${GRPC_PORT:-8001}"
 METRICS_PORT="${METRICS_PORT:-8002}"
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-model_repository}"
-CACHE_SIZE="${CACHE_SIZE:-268435456}"
 READY_TIMEOUT="${READY_TIMEOUT:-300}"
 
 venv_python=.venv/bin/python
@@ -54,8 +53,6 @@ export LD_LIBRARY_PATH="$python_libdir:$PWD/build/triton/nvidia_pytriton.libs${L
 args=(
   --model-repository="$(realpath "$MODEL_REPOSITORY")"
   --backend-directory="$PWD/$backend_dir"
-  --cache-directory="$PWD/$triton_home/caches"
-  --cache-config="local,size=$CACHE_SIZE"
   --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT"
   --model-control-mode=explicit --load-model='*'
   --exit-timeout-secs=30

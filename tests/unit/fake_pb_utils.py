@@ -122,10 +122,6 @@ class InferenceRequest:
         return self.cancelled
 
 
-def get_input_tensor_by_name(request, name):
-    return request._inputs.get(name)
-
-
 class Logger:
     records = []  # (level, message), shared so tests can scan what was logged
 
@@ -204,7 +200,7 @@ def install():
         for name, value in globals().items()
         if name in {
             "TritonError", "TritonModelException", "Tensor", "InferenceResponse",
-            "InferenceRequest", "get_input_tensor_by_name", "Logger", "MetricFamily",
+            "InferenceRequest", "Logger", "MetricFamily",
             "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
         }
     }
