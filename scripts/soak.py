@@ -148,12 +148,15 @@ class Tally:
         self.outputs = []  # everything a client saw, for the secret scan (bounded)
         self.errors = []
 
-    def _row(self):
-        return self.by_phase.setdefault(self.phase, {"sent": 0, "llm": 0, "fallback": 0, "failed": 0,
-                                                     "fallback_reasons": {}, "latency_ms": []})
+    def row(self, phase=None):
+        """The counts of a phase (the current one by default), created empty:
+        a phase may be read before any of its requests has been sent."""
+        return self.by_phase.setdefault(phase or self.phase,
+                                        {"sent": 0, "llm": 0, "fallback": 0, "failed": 0,
+                                         "fallback_reasons": {}, "latency_ms": []})
 
     def sent(self):
-        self._row()["sent"] += 1
+        self.row()["sent"] += 1
         return self.phase
 
     def answered(self, phase, result):
@@ -544,17 +547,17 @@ async def soak(args, workdir):
             await asyncio.sleep(0.2)
             new_stub = await in_thread(server.stub_pid, "preprocess_0_0")
             if new_stub not in (None, stub):
-                row = tally.by_phase["stub_kill"]
+                row = tally.row("stub_kill")
                 marker = row["llm"] + row["fallback"]
                 while time.monotonic() - killed_at < 60:  # the new stub serves
                     await asyncio.sleep(0.1)
-                    if tally.by_phase["stub_kill"]["llm"] + tally.by_phase["stub_kill"]["fallback"] > marker:
+                    if tally.row("stub_kill")["llm"] + tally.row("stub_kill")["fallback"] > marker:
                         recovered = time.monotonic() - killed_at
                         break
                 break
         await sleep_until(time.monotonic() + 2)
         fault("preprocess_stub_sigkill", stub_pid=stub, serving_again_s=round(recovered, 1) if recovered else None,
-              failed_requests=tally.by_phase["stub_kill"]["failed"])
+              failed_requests=tally.row("stub_kill")["failed"])
 
         # 5. server restart; the clients retry connection failures and UNAVAILABLE
         tally.phase = "restart"

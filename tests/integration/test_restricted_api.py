@@ -17,6 +17,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from scripts.local_stack import children
+
 from .conftest import running_triton
 
 ADMIN_KEY = "adm-test-DO-NOT-LEAK-4c1d"
@@ -84,19 +86,17 @@ def test_grpc_model_control_needs_the_admin_key(server, photos):
 
 
 def triton_pid(server):
-    children = [int(c) for task in os.listdir(f"/proc/{server.process.pid}/task")
-                for c in open(f"/proc/{server.process.pid}/task/{task}/children").read().split()]
-    pid, = [c for c in children if os.path.basename(os.readlink(f"/proc/{c}/exe")) == "tritonserver"]
+    pid, = [c for c in children(server.process.pid)
+            if os.path.basename(os.readlink(f"/proc/{c}/exe")) == "tritonserver"]
     return pid
 
 
 def stub_pid(server, instance):
-    pid = triton_pid(server)
-    for task in os.listdir(f"/proc/{pid}/task"):
-        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
-            argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
-            if len(argv) > 8 and argv[8] == instance.encode():
-                return int(child)
+    # children() tolerates threads that exit while /proc is read.
+    for child in children(triton_pid(server)):
+        argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
+        if len(argv) > 8 and argv[8] == instance.encode():
+            return child
     return None
 
 
