@@ -93,7 +93,9 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
 
     Stability is not required (-s 1000): on a shared 2-core machine the load from
     other processes varies more than perf_analyzer's default 10 %, and a run that
-    never stabilises would measure nothing. The figure is the last of `trials`
+    never stabilises would measure nothing. (A window in which at most one
+    request finished still counts as unstable; that run is repeated with longer
+    windows.) The figure is the last of `trials`
     windows (the first ones warm up), as perf_analyzer reports it.
     Returns a dict with throughput (infer/s) and latencies (ms), or raises."""
     workdir = pathlib.Path(workdir)
@@ -118,8 +120,10 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
             except subprocess.TimeoutExpired:
                 raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n{log_tail(log_path, 40)}")
             except subprocess.CalledProcessError as exc:
-                # A window in which no request finished (a loaded machine, a slow LLM): twice as long.
-                if attempt < 2 and "No valid requests recorded" in pathlib.Path(log_path).read_text(errors="replace"):
+                # Windows too short for the load (a loaded machine, an oversubscribed tuning variant,
+                # a slow LLM): no request finished in one, or only one did, and perf_analyzer calls
+                # that unstable whatever -s says (one sample has no standard deviation). Twice as long.
+                if attempt < 2 and _window_too_short(pathlib.Path(log_path).read_text(errors="replace")):
                     index = command.index("--measurement-interval") + 1
                     command[index] = str(int(command[index]) * 2)
                     continue
@@ -134,6 +138,10 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
         "server_compute_ms": us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"),
         "command": "perf_analyzer " + " ".join(_display(a) for a in command[1:]),
     }
+
+
+def _window_too_short(log_text):
+    return "No valid requests recorded" in log_text or "Failed to obtain stable measurement" in log_text
 
 
 def _display(arg):
