@@ -54,4 +54,4 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     for pattern in ("ensemble", "two_step"):
         assert data["patterns"][pattern]["count"] > 0 and data["patterns"][pattern]["errors"] == 0
     assert data["describe"]["triton"]["count"] == 10
-    assert data["tuning"][0]["name"] == "threads_2" and data["tuning"][0]["results"]
+    assert data["tuning"][0]["name"] == "no_batching" and data["tuning"][0]["results"]
