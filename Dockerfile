@@ -20,7 +20,8 @@ RUN set -a && . ./versions.env && set +a \
 # `backend: "<name>"` finds them.
 COPY backends/ /opt/tritonserver/backends/
 COPY model_repository/ /models/
-COPY scripts/export_classifier.py scripts/
+COPY scripts/__init__.py scripts/export_classifier.py scripts/supervise_tritonserver.sh \
+     scripts/hardening_watchdog.py scripts/local_stack.py scripts/
 
 # The TorchScript file and labels are built from the pinned pretrained weights.
 RUN set -a && . ./versions.env && set +a \
@@ -35,4 +36,7 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
 
 # LLM_BASE_URL, LLM_MODEL, LLM_API_KEY / LLM_API_KEY_FILE come from the
 # environment at run time (docs/llm-endpoints.md); nothing secret is baked in.
-CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30"]
+# The supervisor runs tritonserver with the stub watchdog beside it (Triton
+# 2.51 neither restarts a dead Python stub nor reports it; docs/reliability.md)
+# and forwards TERM; it is what `make run` runs too.
+CMD ["/opt/classify_describe/scripts/supervise_tritonserver.sh", "tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30"]

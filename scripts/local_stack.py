@@ -5,7 +5,8 @@ stopped by its PID, never by name (other servers may run on this machine).
 One implementation shared by the integration tests (tests/integration/
 conftest.py), the benchmarks (scripts/bench/), `make soak`, `make rehearse`,
 scripts/bench_describe.py and the stub watchdog. Standard library only: the
-watchdog runs it under whatever Python serve.sh finds.
+watchdog runs it under whatever python3 the supervisor finds (the
+container's system Python too).
 
 Import it as `scripts.local_stack` with the repository root on sys.path (the
 scripts insert it, as they do for classify_describe)."""

@@ -12,7 +12,7 @@
 #                         `admin-key: <key>` (gRPC: `triton-grpc-protocol-admin-key`);
 #                         inference, health, metadata stay open
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
-#                         see scripts/hardening_watchdog.py and docs/reliability.md
+#                         see scripts/supervise_tritonserver.sh and docs/reliability.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,54 +66,6 @@ if [[ -n "${TRITON_ADMIN_KEY:-}" ]]; then
   echo "serve: model-repository and shared-memory APIs need header 'admin-key' (TRITON_ADMIN_KEY)" >&2
 fi
 
-"$triton_home/bin/tritonserver" "${args[@]}" &
-server_pid=$!
-
-watchdog_pid=""
-if [[ "${STUB_WATCHDOG:-1}" != "0" ]]; then
-  "$venv_python" scripts/hardening_watchdog.py --server-pid "$server_pid" \
-    --http-url "127.0.0.1:$HTTP_PORT" --interval-s "${STUB_WATCHDOG_INTERVAL_S:-1}" &
-  watchdog_pid=$!
-fi
-
-stop() {
-  trap - INT TERM
-  # The watchdog reloads nothing from now on, and once the server is gone it
-  # stops any stub process left running (see scripts/hardening_watchdog.py).
-  [[ -n "$watchdog_pid" ]] && kill -USR1 "$watchdog_pid" 2>/dev/null
-  echo "serve: stopping tritonserver (pid $server_pid)" >&2
-  kill -TERM "$server_pid" 2>/dev/null || true
-  wait "$server_pid" 2>/dev/null || true
-  [[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
-  exit 0
-}
-trap stop INT TERM
-
-"$venv_python" - "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT" "$READY_TIMEOUT" "$server_pid" <<'PY' &
-import os, sys, time, urllib.request
-http, grpc, metrics, timeout, pid = sys.argv[1:]
-deadline = time.monotonic() + float(timeout)
-while time.monotonic() < deadline:
-    try:
-        os.kill(int(pid), 0)
-    except OSError:
-        sys.exit(0)  # the server exited; its own log says why
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
-            if r.status == 200:
-                print(f"\nserve: READY  HTTP 127.0.0.1:{http}  gRPC 127.0.0.1:{grpc}  "
-                      f"metrics http://127.0.0.1:{metrics}/metrics  (Ctrl-C stops)\n",
-                      file=sys.stderr, flush=True)
-                sys.exit(0)
-    except OSError:
-        pass
-    time.sleep(0.5)
-print(f"serve: not ready after {timeout}s; see the log above", file=sys.stderr)
-PY
-
-set +e
-wait "$server_pid"
-status=$?
-[[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
-echo "serve: tritonserver exited with status $status" >&2
-exit "$status"
+# The watchdog, the READY line and a clean stop on Ctrl-C/TERM are the
+# supervisor's, shared with the container (Dockerfile CMD, deploy/).
+exec scripts/supervise_tritonserver.sh "$triton_home/bin/tritonserver" "${args[@]}"

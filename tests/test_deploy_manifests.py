@@ -193,6 +193,7 @@ def test_kserve_resources_are_well_formed():
                     "terminationGracePeriodSeconds": service["spec"]["predictor"]["terminationGracePeriodSeconds"]}}
     kubernetes_validate.validate(pod, K8S_VERSIONS[-1], strict=True)
     check_probes(container, {8080: "http"})
+    assert container["args"][:2] == dockerfile_cmd()[:2], "the runtime runs the Dockerfile's supervisor"
     check_graceful_shutdown(container, pod["spec"])
     check_api_key_is_a_file(container, pod["spec"])
 
@@ -217,6 +218,23 @@ def test_servicemonitor_and_adapter_rule_match_the_deployment():
 
 
 # -- what must agree across files ---------------------------------------------
+
+SUPERVISOR = "/opt/classify_describe/scripts/supervise_tritonserver.sh"
+
+
+def test_the_image_holds_the_supervisor_and_what_it_runs():
+    """The Dockerfile copies the supervisor, the watchdog and its one import to
+    where CMD and deploy/ call them (WORKDIR /opt/classify_describe)."""
+    text = (REPO / "Dockerfile").read_text()
+    assert "WORKDIR /opt/classify_describe" in text
+    copied = next(line for line in text.replace("\\\n", " ").splitlines()
+                     if line.startswith("COPY") and "supervise_tritonserver.sh" in line).split()
+    assert copied[-1] == "scripts/"
+    for name in ("__init__.py", "supervise_tritonserver.sh", "hardening_watchdog.py", "local_stack.py"):
+        assert f"scripts/{name}" in copied, f"the image lacks scripts/{name}"
+    imports = re.findall(r"^from scripts\.(\w+) import", (REPO / "scripts/hardening_watchdog.py").read_text(), re.M)
+    assert set(imports) <= {"local_stack"}, f"the watchdog imports {imports}; copy them into the image"
+
 
 def dockerfile_cmd():
     for line in (REPO / "Dockerfile").read_text().splitlines():
@@ -282,6 +300,7 @@ def test_deployment_runs_the_dockerfiles_server_command(overlay):
     cmd = dockerfile_cmd()
     missing = [a for a in cmd if a not in args]
     assert not missing, f"overlay {name}: the Deployment's args dropped {missing} from the Dockerfile CMD"
+    assert args[:2] == cmd[:2] == [SUPERVISOR, "tritonserver"], "tritonserver runs under the supervisor"
     assert ("--model-config-name=gpu" in args) == (name == "gpu")
 
 

@@ -1,10 +1,19 @@
-"""scripts/serve.sh (what `make run` runs) says clearly why it cannot start."""
+"""scripts/serve.sh (what `make run` runs) says clearly why it cannot start, and
+scripts/supervise_tritonserver.sh (what serve.sh execs and the container runs)
+announces readiness, runs the stub watchdog and forwards TERM."""
 
+import os
 import pathlib
+import signal
 import socket
 import subprocess
+import sys
+import threading
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts import local_stack  # noqa: E402
 
 
 def test_a_taken_port_is_named_with_a_way_out(tmp_path):
@@ -27,3 +36,67 @@ def test_a_missing_build_says_to_run_make_build(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "MODEL_REPOSITORY": str(tmp_path)})
     assert run.returncode == 1
     assert "is missing; run `make build` first" in run.stderr
+
+
+# -- scripts/supervise_tritonserver.sh: what serve.sh execs and the container runs --
+
+FAKE_SERVER = r'''
+import http.server, signal, sys, threading
+port = int(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--http-port=")))
+marker = sys.argv[1]
+
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v2/health/ready" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", port), Ready)
+def on_term(signum, frame):
+    open(marker, "w").write("TERM")
+    threading.Thread(target=server.shutdown).start()
+signal.signal(signal.SIGTERM, on_term)
+server.serve_forever()
+sys.exit(3)
+'''
+
+
+def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(tmp_path):
+    """Run the way the Dockerfile CMD runs it: a server command and its flags,
+    nothing from serve.sh. The stand-in server answers /v2/health/ready and
+    exits 3 after TERM, which the supervisor passes on as its own stop."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    marker = tmp_path / "got_term"
+    (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
+    supervisor = subprocess.Popen(
+        [str(REPO / "scripts/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
+         str(marker), f"--http-port={http_port}", "--grpc-port=7001", "--metrics-port=7002"],
+        stderr=subprocess.PIPE, text=True, env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2"},
+        start_new_session=True)
+    # Whatever goes wrong, the test ends: its whole process group (the supervisor,
+    # the stand-in and the watchdog, all started here) is killed after 60 s.
+    deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
+    deadline.start()
+    try:
+        for line in supervisor.stderr:
+            if "READY" in line:
+                break
+        assert f"HTTP 127.0.0.1:{http_port}  gRPC 127.0.0.1:7001  metrics http://127.0.0.1:7002/metrics" in line
+        watchdogs = [pid for pid in local_stack.children(supervisor.pid)
+                     if "hardening_watchdog.py" in pathlib.Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(watchdogs) == 1, "the stub watchdog runs beside the server"
+        watchdog_cmdline = pathlib.Path(f"/proc/{watchdogs[0]}/cmdline").read_text().split("\0")
+        assert f"127.0.0.1:{http_port}" in watchdog_cmdline, "the watchdog talks to the server's HTTP port"
+
+        supervisor.send_signal(signal.SIGTERM)
+        rest = supervisor.stderr.read()
+        assert supervisor.wait(timeout=30) == 0
+    finally:
+        local_stack.stop_process(supervisor)
+        deadline.cancel()
+    assert marker.read_text() == "TERM", "TERM reaches the server"
+    assert "stopping tritonserver" in rest
+    assert not pathlib.Path(f"/proc/{watchdogs[0]}").exists(), "the watchdog stops with the server"
