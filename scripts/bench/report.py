@@ -348,7 +348,10 @@ def write(results, out_path, plots_dir):
         f"warm-up, fake upstream latency {p['latency_ms']} ms, turns in the order {order} in the same run "
         "(the table gives the mean over a pattern's turns). Two-step: the client asks "
         "Triton `classify`, then calls the LLM itself with the openai SDK (the same chat messages the describe "
-        "model sends). Ensemble: one `classify_and_describe` request.\n")
+        "model sends). Ensemble: one `classify_and_describe` request. Both are bound by the classifier on "
+        "this CPU, and on loopback the ensemble saves one client round trip and the second request's "
+        "serialisation, about a millisecond of a few hundred, so expect the two within the noise here; the "
+        "saving grows with the client's network distance (one round trip instead of two).\n")
     add("| pattern | throughput (req/s) | p50 ms | p99 ms | errors |")
     add("| --- | --- | --- | --- | --- |")
     for name in ("ensemble", "two_step"):
@@ -356,6 +359,22 @@ def write(results, out_path, plots_dir):
         add(f"| {name.replace('_', '-')} | {_f(r['throughput'])} | {_f(r['p50_ms'], 0)} | {_f(r['p99_ms'], 0)} | "
             f"{r['errors']} |")
     add("")
+    if len(p.get("order", ())) > 2:
+        add("Each turn, in the order run (the spread between turns of one pattern is the noise the "
+            "difference above has to clear):\n")
+        add("| turn | pattern | throughput (req/s) | p50 ms | p99 ms |")
+        add("| --- | --- | --- | --- | --- |")
+        seen = {"ensemble": 0, "two_step": 0}
+        for number, name in enumerate(p["order"], 1):
+            r = p[name]["turns"][seen[name]]
+            seen[name] += 1
+            add(f"| {number} | {name.replace('_', '-')} | {_f(r['throughput'])} | {_f(r['p50_ms'], 0)} | "
+                f"{_f(r['p99_ms'], 0)} |")
+        spread = {name: (min(t["throughput"] for t in p[name]["turns"]), max(t["throughput"] for t in p[name]["turns"]))
+                  for name in ("ensemble", "two_step")}
+        add("\nThroughput range over the turns: ensemble " + " to ".join(_f(v) for v in spread["ensemble"]) +
+            " req/s, two-step " + " to ".join(_f(v) for v in spread["two_step"]) + " req/s.")
+        add("")
 
     # 5
     sweeps = results["sweeps"]
