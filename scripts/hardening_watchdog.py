@@ -1,4 +1,5 @@
-"""Python-backend stub watchdog for one tritonserver (scripts/serve.sh starts it).
+"""Python-backend stub watchdog for one tritonserver (scripts/supervise_tritonserver.sh
+starts it, natively and in the container).
 
 Why: every instance of a Python-based model runs in its own stub process, a
 child of tritonserver. Since 24.06 (this is 2.51 / 24.10) Triton no longer
@@ -23,8 +24,8 @@ that are still running: measured on 2.51, a stub started after the server
 began listening (any reload: a version swap, this watchdog's own reload)
 inherits the server's sockets, listening and client connections included; if
 it outlives the server, clients on those connections hang instead of seeing
-the connection close, and cannot retry. SIGUSR1 (serve.sh sends it on
-shutdown) means: the server is stopping, reload nothing from now on.
+the connection close, and cannot retry. SIGUSR1 (the supervisor sends
+it on shutdown) means: the server is stopping, reload nothing from now on.
 Linux only (/proc).
 """
 
@@ -38,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 
-# serve.sh runs this file as a script; the /proc helpers are shared with
+# The supervisor runs this file as a script; the /proc helpers are shared with
 # scripts/soak.py through scripts/local_stack.py (standard library only).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.local_stack import children  # noqa: E402
@@ -205,7 +206,7 @@ def main(argv=None):
     def stopping(*_):
         watchdog.stopping = True
 
-    # SIGUSR1 (serve.sh on shutdown) and SIGINT (Ctrl-C reaches the whole process
+    # SIGUSR1 (the supervisor on shutdown) and SIGINT (Ctrl-C reaches the whole process
     # group): keep watching until the server is gone, then stop its orphans.
     # SIGTERM ends the watchdog at once.
     signal.signal(signal.SIGUSR1, stopping)

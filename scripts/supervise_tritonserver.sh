@@ -27,28 +27,31 @@ for arg in "${@:2}"; do
   esac
 done
 
+server_pid="" watchdog_pid=""
+stop() {
+  trap - INT TERM
+  # The watchdog reloads nothing from now on, and once the server is gone it
+  # stops any stub process left running (see scripts/hardening_watchdog.py).
+  [[ -z "$watchdog_pid" ]] || kill -USR1 "$watchdog_pid" 2>/dev/null || true
+  if [[ -n "$server_pid" ]]; then
+    echo "serve: stopping tritonserver (pid $server_pid)" >&2
+    kill -TERM "$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+  fi
+  [[ -z "$watchdog_pid" ]] || wait "$watchdog_pid" 2>/dev/null || true
+  exit 0
+}
+# Set before anything starts: a TERM that comes early still stops what did start.
+trap stop INT TERM
+
 "$@" &
 server_pid=$!
 
-watchdog_pid=""
 if [[ "${STUB_WATCHDOG:-1}" != "0" ]]; then
   python3 "$here/hardening_watchdog.py" --server-pid "$server_pid" \
     --http-url "127.0.0.1:$http_port" --interval-s "${STUB_WATCHDOG_INTERVAL_S:-1}" &
   watchdog_pid=$!
 fi
-
-stop() {
-  trap - INT TERM
-  # The watchdog reloads nothing from now on, and once the server is gone it
-  # stops any stub process left running (see scripts/hardening_watchdog.py).
-  [[ -n "$watchdog_pid" ]] && kill -USR1 "$watchdog_pid" 2>/dev/null
-  echo "serve: stopping tritonserver (pid $server_pid)" >&2
-  kill -TERM "$server_pid" 2>/dev/null || true
-  wait "$server_pid" 2>/dev/null || true
-  [[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
-  exit 0
-}
-trap stop INT TERM
 
 python3 - "$http_port" "$grpc_port" "$metrics_port" "${READY_TIMEOUT:-300}" "$server_pid" <<'PY' &
 import os, sys, time, urllib.request

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -62,6 +63,15 @@ sys.exit(3)
 '''
 
 
+def cmdline(pid):
+    """A child's command line, or "" once it has exited (the readiness check
+    exits right after printing READY)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
+
+
 def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(tmp_path):
     """Run the way the Dockerfile CMD runs it: a server command and its flags,
     nothing from serve.sh. The stand-in server answers /v2/health/ready and
@@ -85,10 +95,9 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
             if "READY" in line:
                 break
         assert f"HTTP 127.0.0.1:{http_port}  gRPC 127.0.0.1:7001  metrics http://127.0.0.1:7002/metrics" in line
-        watchdogs = [pid for pid in local_stack.children(supervisor.pid)
-                     if "hardening_watchdog.py" in pathlib.Path(f"/proc/{pid}/cmdline").read_text()]
+        watchdogs = [pid for pid in local_stack.children(supervisor.pid) if "hardening_watchdog.py" in cmdline(pid)]
         assert len(watchdogs) == 1, "the stub watchdog runs beside the server"
-        watchdog_cmdline = pathlib.Path(f"/proc/{watchdogs[0]}/cmdline").read_text().split("\0")
+        watchdog_cmdline = cmdline(watchdogs[0]).split("\0")
         assert f"127.0.0.1:{http_port}" in watchdog_cmdline, "the watchdog talks to the server's HTTP port"
 
         supervisor.send_signal(signal.SIGTERM)
@@ -100,3 +109,37 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
     assert marker.read_text() == "TERM", "TERM reaches the server"
     assert "stopping tritonserver" in rest
     assert not pathlib.Path(f"/proc/{watchdogs[0]}").exists(), "the watchdog stops with the server"
+
+
+def test_a_term_at_any_moment_of_startup_leaves_nothing_running(tmp_path):
+    """The trap is set before anything starts, so a TERM while the server and
+    the watchdog are being started still stops all of them (a pod deleted
+    right after it was created). Nothing of the process group may survive."""
+    (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
+    for delay_s in (0.0, 0.1, 0.3):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            http_port = probe.getsockname()[1]
+        supervisor = subprocess.Popen(
+            [str(REPO / "scripts/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
+             str(tmp_path / "got_term"), f"--http-port={http_port}"],
+            stderr=subprocess.DEVNULL, env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2"},
+            start_new_session=True)
+        time.sleep(delay_s)
+        supervisor.send_signal(signal.SIGTERM)
+        try:
+            supervisor.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(supervisor.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"TERM {delay_s} s after the start left processes running")
+        finally:
+            try:
+                os.killpg(supervisor.pid, signal.SIGKILL)  # only the group this test started
+            except ProcessLookupError:
+                pass
