@@ -35,6 +35,7 @@ def _summary(latencies_s, elapsed_s, errors):
 async def _drive(one_request, concurrency, duration_s, warmup_s):
     latencies, errors = [], [0]
     counter = [0]
+    finished = [0]  # every request that ended, warm-up included: what CPU totals are divided by
     measuring = [False]
     stop_at = [float("inf")]
 
@@ -48,6 +49,8 @@ async def _drive(one_request, concurrency, duration_s, warmup_s):
             except Exception:  # noqa: BLE001 - counted, reported, and the run goes on
                 errors[0] += measuring[0]
                 continue
+            finally:
+                finished[0] += 1
             if measuring[0] and time.perf_counter() <= stop_at[0]:
                 latencies.append(time.perf_counter() - started)
 
@@ -57,7 +60,7 @@ async def _drive(one_request, concurrency, duration_s, warmup_s):
     begun = time.perf_counter()
     stop_at[0] = begun + duration_s
     await asyncio.gather(*tasks)
-    return _summary(latencies, duration_s, errors[0])
+    return {**_summary(latencies, duration_s, errors[0]), "finished_all": finished[0]}
 
 
 def _inputs(module, image, prompt=None):

@@ -375,6 +375,30 @@ def write(results, out_path, plots_dir):
         add("\nThroughput range over the turns: ensemble " + " to ".join(_f(v) for v in spread["ensemble"]) +
             " req/s, two-step " + " to ".join(_f(v) for v in spread["two_step"]) + " req/s.")
         add("")
+    if all("cpu_ms_per_request" in p[name] for name in ("ensemble", "two_step")):
+        cpu = {name: p[name]["cpu_ms_per_request"] for name in ("ensemble", "two_step")}
+        add("Where one request's CPU goes (ms of CPU per request, mean over the turns; from `/proc`, "
+            "`harness.cpu_seconds`). The load generator plays the client: in the two-step pattern it makes "
+            "the LLM call itself with the openai SDK, which the ensemble does in the `describe` stub:\n")
+        add("| where | ensemble | two-step |")
+        add("| --- | --- | --- |")
+        places = [w for w in ("load generator", "tritonserver", "preprocess stubs", "classifier stubs",
+                              "describe stubs", "fake upstream") if any(w in c for c in cpu.values())]
+        for where in places:
+            add(f"| {where} | {_f(cpu['ensemble'].get(where, 0.0), 2)} | {_f(cpu['two_step'].get(where, 0.0), 2)} |")
+        rest = {name: c["machine"] - sum(c.get(w, 0.0) for w in places) for name, c in cpu.items()}
+        add(f"| everything else on the machine | {_f(rest['ensemble'], 2)} | {_f(rest['two_step'], 2)} |")
+        add(f"| **whole machine** | **{_f(cpu['ensemble']['machine'], 2)}** | **{_f(cpu['two_step']['machine'], 2)}** |")
+        moved = cpu["ensemble"].get("describe stubs", 0.0) + cpu["ensemble"].get("tritonserver", 0.0) \
+            - cpu["two_step"].get("tritonserver", 0.0)
+        add(f"\nThe ensemble moves the LLM call from the client into the server: the server side spends "
+            f"{_f(moved, 1)} ms more CPU per request (the `describe` stub and the ensemble's extra step), the "
+            f"client {_f(cpu['two_step'].get('load generator', 0.0) - cpu['ensemble'].get('load generator', 0.0), 1)} "
+            "ms less. Here client and server share the same cores, so the totals, and the throughputs, come out "
+            "about equal. With clients on other machines, a CPU-bound server does that much more work per "
+            "request in the ensemble; what it buys is one round trip instead of two, no LLM key, SDK or "
+            "prompt template in any client, and the server-side cache, fallback, limits and cost metrics.")
+        add("")
 
     # 5
     sweeps = results["sweeps"]

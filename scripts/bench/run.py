@@ -190,8 +190,13 @@ def measure_patterns(ctx, p):
     order = ("ensemble", "two_step") * (blocks == 0) + ("ensemble", "two_step", "two_step", "ensemble") * blocks
     turns = {"ensemble": [], "two_step": []}
     for pattern in order:
+        before = harness.cpu_seconds(ctx.triton.process.pid, ctx.llm.process.pid)
         result = clients.measure(pattern, ctx.triton.http_url, ctx.llm.base_url, ctx.images,
                                  ctx.prompts, p["pattern_c"], p["pattern_s"], p["warmup_s"])
+        # CPU per request by where it was spent, over the whole turn: warm-up included.
+        after = harness.cpu_seconds(ctx.triton.process.pid, ctx.llm.process.pid)
+        result["cpu_ms_per_request"] = {where: (after[where] - before.get(where, 0.0)) * 1e3
+                                        / max(1, result["finished_all"]) for where in after}
         turns[pattern].append(result)
         log(f"{pattern} c={p['pattern_c']}: {json.dumps(result)}")
     ctx.llm.set_latency(0)
@@ -201,6 +206,9 @@ def measure_patterns(ctx, p):
                             for key in ("throughput", "p50_ms", "p99_ms", "mean_ms")}
         results[pattern].update(count=sum(run["count"] for run in runs), errors=sum(run["errors"] for run in runs),
                                 turns=runs)
+        places = {where for run in runs for where in run["cpu_ms_per_request"]}
+        results[pattern]["cpu_ms_per_request"] = {
+            where: sum(run["cpu_ms_per_request"].get(where, 0.0) for run in runs) / len(runs) for where in places}
     return {"latency_ms": p["pattern_latency_ms"], "concurrency": p["pattern_c"], "duration_s": p["pattern_s"],
             "order": order, **results}
 

@@ -53,5 +53,12 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
         assert run["upstream_calls"] >= run["triton_requests"]
     for pattern in ("ensemble", "two_step"):
         assert data["patterns"][pattern]["count"] > 0 and data["patterns"][pattern]["errors"] == 0
+    # CPU per request is split by process: only the ensemble runs the describe stub,
+    # only the two-step client calls the LLM from the load generator.
+    cpu = {pattern: data["patterns"][pattern]["cpu_ms_per_request"] for pattern in ("ensemble", "two_step")}
+    assert cpu["ensemble"]["describe stubs"] > 10 * cpu["two_step"]["describe stubs"]
+    assert cpu["two_step"]["load generator"] > cpu["ensemble"]["load generator"]
+    assert cpu["ensemble"]["classifier stubs"] > 0 and cpu["ensemble"]["machine"] > cpu["ensemble"]["classifier stubs"]
+    assert "Where one request's CPU goes" in text
     assert data["describe"]["triton"]["count"] == 10
     assert data["tuning"][0]["name"] == "no_batching" and data["tuning"][0]["results"]
