@@ -44,7 +44,7 @@ MODES = {
                   describe_n=60, pattern_latency_ms=200, pattern_c=16, pattern_blocks=1, pattern_s=4.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=()),
-    "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches="1,2,4,8",
+    "full": dict(window_ms=3000, trials=3, repeats=5, inproc_s=2.0, inproc_batches="1,2,4,8",
                  classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_blocks=2, pattern_s=10.0, warmup_s=2.0,
                  classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
