@@ -30,6 +30,7 @@ Linux only (/proc).
 """
 
 import argparse
+import http.client
 import json
 import os
 import re
@@ -45,6 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.local_stack import children  # noqa: E402
 
 STUB_NAME = "triton_python_backend_stub"
+# What a call to the server can raise when it is busy, stopping or restarting
+# (an answer cut short is an http.client.HTTPException, not an OSError).
+SERVER_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException, ValueError)
 INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
 # Instance stubs are named <model>_<group>_<instance>. A stub named after the
 # model alone only checks the config during a load and exits by design.
@@ -134,7 +138,7 @@ class Watchdog:
             return []
         try:
             ready = self.server.ready_models()
-        except (OSError, urllib.error.URLError, ValueError) as exc:
+        except SERVER_ERRORS as exc:
             log(f"cannot read the repository index ({exc}); will look again")
             for pid, instance in dead:  # look again next time
                 self.known[pid] = instance
@@ -149,7 +153,7 @@ class Watchdog:
             started = time.monotonic()
             try:
                 self.server.reload(model)
-            except (OSError, urllib.error.URLError, ValueError) as exc:
+            except SERVER_ERRORS as exc:
                 log(f"reload of '{model}' failed ({exc}); will try again")
                 for pid, instance in dead:
                     if model_of(instance) == model:
@@ -162,7 +166,10 @@ class Watchdog:
 
     def run(self):
         while process_state(self.server_pid) not in (None, "Z"):
-            self.poll()
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 - a watchdog that dies watches nothing
+                log(f"a look at the server failed ({type(exc).__name__}: {exc}); still watching")
             time.sleep(self.interval_s)
         self.stop_orphans()
 

@@ -1,0 +1,99 @@
+"""scripts/hardening_watchdog.py on stand-in processes: a "server" whose child
+carries a Python stub's command line. The watchdog must reload the model when
+that child dies, and must survive a server that answers badly meanwhile."""
+
+import http.client
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts import hardening_watchdog as watchdog_module  # noqa: E402
+from scripts.local_stack import children  # noqa: E402
+
+# argv[0] ends with the stub's name and argv[8] is the instance, as for a real stub.
+STAND_IN = ('exec -a /opt/tritonserver/backends/python/triton_python_backend_stub '
+            f'{sys.executable} -c "import time; time.sleep(120)" a b c d e detect_0_0 & wait')
+
+
+class FlakyServer:
+    """The repository API, failing the first `failures` index reads with `error`."""
+
+    def __init__(self, failures=0, error=None):
+        self.failures, self.error, self.reloaded = failures, error, []
+
+    def ready_models(self):
+        if self.failures:
+            self.failures -= 1
+            raise self.error
+        return {"detect"}
+
+    def reload(self, model):
+        self.reloaded.append(model)
+
+
+@pytest.fixture
+def server_with_stub():
+    server = subprocess.Popen(["bash", "-c", STAND_IN])
+    try:
+        deadline = time.monotonic() + 10
+        while not (stubs := [p for p in children(server.pid) if watchdog_module.stub_instance(p)]):
+            assert time.monotonic() < deadline, "the stand-in stub did not start"
+            time.sleep(0.05)
+        yield server, stubs[0]
+    finally:
+        for pid in children(server.pid):  # only the stand-in stub this test started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        server.kill()
+        server.wait(10)
+
+
+def kill_and_reap(server, stub_pid):
+    os.kill(stub_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10  # bash's `wait` reaps it; a zombie counts as dead too
+    while watchdog_module.process_state(stub_pid) not in (None, "Z"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_dead_stub_gets_its_model_reloaded(server_with_stub):
+    server, stub = server_with_stub
+    api = FlakyServer()
+    dog = watchdog_module.Watchdog(server.pid, api)
+    assert dog.poll() == [] and dog.known == {stub: "detect_0_0"}
+    kill_and_reap(server, stub)
+    assert dog.poll() == ["detect"] and api.reloaded == ["detect"]
+
+
+def test_an_answer_cut_short_is_retried_at_the_next_look(server_with_stub):
+    server, stub = server_with_stub
+    api = FlakyServer(failures=1, error=http.client.IncompleteRead(b"{"))
+    dog = watchdog_module.Watchdog(server.pid, api)
+    dog.poll()
+    kill_and_reap(server, stub)
+    assert dog.poll() == [], "the index read failed: nothing reloaded yet"
+    assert dog.poll() == ["detect"], "the dead stub was remembered and its model reloaded next time"
+
+
+def test_an_unexpected_error_does_not_end_the_watch():
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    looks = []
+
+    class Broken(watchdog_module.Watchdog):
+        def poll(self):
+            looks.append(time.monotonic())
+            raise RuntimeError("a bug in one look")
+
+    Broken(server.pid, FlakyServer(), interval_s=0.1).run()  # returns once the server has exited
+    server.wait(10)
+    assert len(looks) >= 5, "the watchdog kept looking after the first failure"
