@@ -33,72 +33,33 @@ import argparse
 import http.client
 import json
 import os
-import re
 import signal
 import sys
 import time
 import urllib.error
-import urllib.request
 
 # The supervisor runs this file as a script; the /proc helpers are shared with
 # scripts/soak.py through scripts/local_stack.py (standard library only).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.local_stack import children  # noqa: E402
+from scripts.local_stack import children, http_json, model_of, process_state, stub_instance  # noqa: E402
 
-STUB_NAME = "triton_python_backend_stub"
 # What a call to the server can raise when it is busy, stopping or restarting
 # (an answer cut short is an http.client.HTTPException, not an OSError).
 SERVER_ERRORS = (OSError, urllib.error.URLError, http.client.HTTPException, ValueError)
-INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
-# Instance stubs are named <model>_<group>_<instance>. A stub named after the
-# model alone only checks the config during a load and exits by design.
-INSTANCE_RE = re.compile(r"^(.+)_\d+_\d+$")
 
 
 def log(message):
     print(f"watchdog: {message}", file=sys.stderr, flush=True)
 
 
-def process_state(pid):
-    """'Z' for a zombie, another letter when alive, None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def stub_instance(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return None
-    if not argv or not argv[0].endswith(STUB_NAME.encode()) or len(argv) <= INSTANCE_ARG:
-        return None
-    instance = argv[INSTANCE_ARG].decode(errors="replace")
-    return instance if INSTANCE_RE.match(instance) else None
-
-
-def model_of(instance):
-    return INSTANCE_RE.match(instance).group(1)  # a model name may itself contain "_"
-
-
 class Server:
     def __init__(self, http_url, admin_key=None, timeout_s=60.0):
         self.base = f"http://{http_url}"
-        self.headers = {"Content-Type": "application/json"}
-        if admin_key:
-            self.headers["admin-key"] = admin_key
+        self.headers = {"admin-key": admin_key} if admin_key else {}
         self.timeout_s = timeout_s
 
     def call(self, path, payload=None, timeout_s=None):
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers=self.headers,
-                                         method="GET" if data is None else "POST")
-        with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
-            body = response.read()
-        return json.loads(body) if body else None
+        return http_json(self.base + path, payload, timeout=timeout_s or self.timeout_s, headers=self.headers)
 
     def ready_models(self):
         return {m["name"] for m in self.call("/v2/repository/index", {}, timeout_s=10) or []

@@ -14,6 +14,7 @@ scripts insert it, as they do for classify_describe)."""
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -100,6 +101,59 @@ def process_tree(pid):
         seen.append(current)
         todo.extend(children(current))
     return seen
+
+
+STUB_NAME = "triton_python_backend_stub"
+INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
+# Instance stubs are named <model>_<group>_<instance>. A stub named after the
+# model alone only checks the config during a load and exits by design.
+INSTANCE_RE = re.compile(r"^(.+)_\d+_\d+$")
+
+
+def process_state(pid):
+    """'Z' for a zombie, another letter when alive, None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def stub_instance(pid):
+    """The instance a Python stub process serves (`<model>_<group>_<instance>`),
+    or None for any other process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return None
+    if not argv or not argv[0].endswith(STUB_NAME.encode()) or len(argv) <= INSTANCE_ARG:
+        return None
+    instance = argv[INSTANCE_ARG].decode(errors="replace")
+    return instance if INSTANCE_RE.match(instance) else None
+
+
+def model_of(instance):
+    return INSTANCE_RE.match(instance).group(1)  # a model name may itself contain "_"
+
+
+def tritonserver_pid(root_pid):
+    """The tritonserver process under root_pid (serve.sh / the supervisor), or None."""
+    for pid in process_tree(root_pid)[1:]:
+        try:
+            if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "tritonserver":
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def stub_pid(server_pid, instance):
+    """The Python stub process of tritonserver serving `instance`, or None."""
+    for pid in children(server_pid):
+        if stub_instance(pid) == instance:
+            return pid
+    return None
 
 
 def rss_mb(pid):

@@ -48,7 +48,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from classify_describe import AsyncClient  # noqa: E402
-from scripts.local_stack import FakeLLM, TritonServer, http_json, process_tree, rss_mb  # noqa: E402
+from scripts.local_stack import FakeLLM, TritonServer, http_json, rss_mb, stub_pid, tritonserver_pid  # noqa: E402
 
 ENSEMBLE = "classify_and_describe"
 
@@ -88,24 +88,15 @@ class Server(TritonServer):
     def __init__(self, workdir, env):
         super().__init__(workdir, env)
         self.admin_headers = {"admin-key": env["TRITON_ADMIN_KEY"]} if env.get("TRITON_ADMIN_KEY") else {}
-        self.log_paths = []
-        self.starts = 0
+        self.log_paths = []  # one per start
 
     def start(self):
         """Seconds until ready."""
-        self.starts += 1
-        self.log_paths.append(self.workdir / f"tritonserver.{self.starts}.log")
+        self.log_paths.append(self.workdir / f"tritonserver.{len(self.log_paths) + 1}.log")
         return super().start(log_path=self.log_paths[-1])
 
     def triton_pid(self):
-        """tritonserver is serve.sh's child."""
-        for child in process_tree(self.process.pid)[1:]:
-            try:
-                if pathlib.Path(f"/proc/{child}/exe").resolve().name == "tritonserver":
-                    return child
-            except OSError:
-                continue
-        return None
+        return tritonserver_pid(self.process.pid)
 
     def rss_mb(self):
         pid = self.triton_pid()
@@ -113,14 +104,7 @@ class Server(TritonServer):
 
     def stub_pid(self, instance):
         pid = self.triton_pid()
-        for child in process_tree(pid)[1:]:
-            try:
-                argv = pathlib.Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if len(argv) > 8 and argv[8].decode(errors="replace") == instance:
-                return child
-        return None
+        return stub_pid(pid, instance) if pid else None
 
     def repository_call(self, path, payload=None, timeout=120):
         return http_json(f"http://{self.http_url}{path}", payload if payload is not None else {},
@@ -451,7 +435,7 @@ async def soak(args, workdir):
     llm_key = "sk-soak-" + os.urandom(12).hex()
     admin_key = "adm-soak-" + os.urandom(12).hex()
     images = photos()
-    report = {"config": vars(args).copy(), "faults": [], "rss_mb": []}
+    report = {"faults": [], "rss_mb": []}
     fake = FakeUpstream(workdir, args.llm_latency_ms)
     server = Server(workdir, {"LLM_BASE_URL": fake.base_url, "LLM_API_KEY": llm_key,
                               "TRITON_ADMIN_KEY": admin_key})
@@ -490,7 +474,7 @@ async def soak(args, workdir):
         steady_end = run_started + args.duration_s * args.steady_fraction
         cases = hostile_corpus(images)
         corpus_started = time.monotonic()
-        results = await run_corpus(cases, server.http_url, f"127.0.0.1:{server.grpc_port}")
+        results = await run_corpus(cases, server.http_url, server.grpc_url)
         report["hostile"] = corpus_summary(results)
         report["hostile"]["seconds"] = round(time.monotonic() - corpus_started, 1)
         report["hostile"]["server_ready_after"] = server.is_ready()
@@ -551,7 +535,7 @@ async def soak(args, workdir):
                 marker = row["llm"] + row["fallback"]
                 while time.monotonic() - killed_at < 60:  # the new stub serves
                     await asyncio.sleep(0.1)
-                    if tally.row("stub_kill")["llm"] + tally.row("stub_kill")["fallback"] > marker:
+                    if row["llm"] + row["fallback"] > marker:  # the same dict, updated as answers come
                         recovered = time.monotonic() - killed_at
                         break
                 break

@@ -13,9 +13,8 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run.py runs with scripts/bench/ on sys.path, not the root
 
-from scripts.hardening_watchdog import model_of, stub_instance  # noqa: E402
 from scripts.local_stack import (FakeLLM as _FakeLLM, NotReady, TritonServer, children, free_port,  # noqa: E402
-                                 http_json, log_tail)
+                                 http_json, log_tail, model_of, stub_instance, tritonserver_pid)
 
 PERF_ANALYZER = REPO / "build/perf_analyzer/bin/perf_analyzer"
 BENCH_API_KEY = "sk-bench-not-a-real-key"
@@ -174,23 +173,15 @@ def cpu_seconds(server_root_pid, llm_pid):
         jiffies = [int(v) for v in f.readline().split()[1:]]
     spent = {"machine": (sum(jiffies) - jiffies[3] - jiffies[4]) / tick,  # all but idle and iowait
              "load generator": time.process_time(), "fake upstream": process(llm_pid)}
-    for server in children(server_root_pid):  # the supervisor's children: tritonserver, watchdog, ...
-        if stub_instance(server) is None and "tritonserver" in _cmdline(server):
-            spent["tritonserver"] = process(server)
-            for pid in children(server):
-                instance = stub_instance(pid)
-                if instance is not None:
-                    name = f"{model_of(instance)} stubs"
-                    spent[name] = spent.get(name, 0.0) + process(pid)
+    server = tritonserver_pid(server_root_pid)
+    if server is not None:
+        spent["tritonserver"] = process(server)
+        for pid in children(server):
+            instance = stub_instance(pid)
+            if instance is not None:
+                name = f"{model_of(instance)} stubs"
+                spent[name] = spent.get(name, 0.0) + process(pid)
     return spent
-
-
-def _cmdline(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0].decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def load_average():

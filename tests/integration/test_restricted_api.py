@@ -17,7 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from scripts.local_stack import children
+from scripts.local_stack import stub_pid, tritonserver_pid
 
 from .conftest import running_triton
 
@@ -85,19 +85,10 @@ def test_grpc_model_control_needs_the_admin_key(server, photos):
     assert classify(server.grpc_url, photos["coffee"], grpcclient) == "espresso"
 
 
-def triton_pid(server):
-    pid, = [c for c in children(server.process.pid)
-            if os.path.basename(os.readlink(f"/proc/{c}/exe")) == "tritonserver"]
-    return pid
-
-
-def stub_pid(server, instance):
-    # children() tolerates threads that exit while /proc is read.
-    for child in children(triton_pid(server)):
-        argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
-        if len(argv) > 8 and argv[8] == instance.encode():
-            return child
-    return None
+def preprocess_stub(server):
+    triton = tritonserver_pid(server.process.pid)
+    assert triton is not None, "no tritonserver under serve.sh"
+    return stub_pid(triton, "preprocess_0_0")
 
 
 def test_killed_stub_is_detected_and_reloaded_by_the_watchdog(server, photos):
@@ -118,12 +109,12 @@ def test_killed_stub_is_detected_and_reloaded_by_the_watchdog(server, photos):
     thread.start()
     try:
         time.sleep(1.0)
-        stub = stub_pid(server, "preprocess_0_0")
+        stub = preprocess_stub(server)
         killed_at = time.monotonic()
         os.kill(stub, signal.SIGKILL)
         deadline = killed_at + 60
         while time.monotonic() < deadline:
-            new = stub_pid(server, "preprocess_0_0")
+            new = preprocess_stub(server)
             served = [t for t, o in outcomes if t > killed_at and o == "espresso"]
             if new not in (None, stub) and served and served[-1] > killed_at + 0.5:
                 break
@@ -137,7 +128,7 @@ def test_killed_stub_is_detected_and_reloaded_by_the_watchdog(server, photos):
     recovered = [t for t, o in after if o == "espresso"]
     print(json.dumps({"errors_after_kill": len(errors), "first_answer_after_kill_s":
                       round(recovered[0], 2) if recovered else None, "sample": errors[:1]}))
-    assert stub_pid(server, "preprocess_0_0") not in (None, stub)
+    assert preprocess_stub(server) not in (None, stub)
     assert recovered and after[-1][1] == "espresso"
     assert all("not healthy" in e or "preprocess" in e for e in errors)  # a clear error while it was down
     log = server.log()
