@@ -137,13 +137,12 @@ def run_one_latency(latency_ms, args, workdir):
             server.start()
         except NotReady as error:
             sys.exit(f"bench: {error}")
-        fake_port, http_port = fake.port, server.http_port
-        via = f"http://127.0.0.1:{http_port}/v2/models/describe/infer"
-        direct = f"http://127.0.0.1:{fake_port}/v1/chat/completions"
+        via = f"http://{server.http_url}/v2/models/describe/infer"
+        direct = f"{fake.base_url}/chat/completions"
         sequential_count = args.sequential if latency_ms < 100 else max(20, args.sequential // 10)
         result = {"latency_ms": latency_ms}
         d = asyncio.run(sequential(direct, direct_payload, direct_ok, sequential_count, f"d{latency_ms}"))
-        sdk = asyncio.run(sequential_sdk(f"http://127.0.0.1:{fake_port}/v1", sequential_count, f"s{latency_ms}"))
+        sdk = asyncio.run(sequential_sdk(fake.base_url, sequential_count, f"s{latency_ms}"))
         t = asyncio.run(sequential(via, triton_payload, triton_ok, sequential_count, f"t{latency_ms}"))
         result["direct"], result["direct_sdk"], result["triton"] = percentiles(d), percentiles(sdk), percentiles(t)
         for base in ("direct", "direct_sdk"):

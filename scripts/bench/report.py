@@ -364,10 +364,9 @@ def write(results, out_path, plots_dir):
             "difference above has to clear):\n")
         add("| turn | pattern | throughput (req/s) | p50 ms | p99 ms |")
         add("| --- | --- | --- | --- | --- |")
-        seen = {"ensemble": 0, "two_step": 0}
+        turns = {name: iter(p[name]["turns"]) for name in ("ensemble", "two_step")}  # each in run order
         for number, name in enumerate(p["order"], 1):
-            r = p[name]["turns"][seen[name]]
-            seen[name] += 1
+            r = next(turns[name])
             add(f"| {number} | {name.replace('_', '-')} | {_f(r['throughput'])} | {_f(r['p50_ms'], 0)} | "
                 f"{_f(r['p99_ms'], 0)} |")
         spread = {name: (min(t["throughput"] for t in p[name]["turns"]), max(t["throughput"] for t in p[name]["turns"]))
