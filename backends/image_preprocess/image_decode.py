@@ -165,10 +165,14 @@ def _to_rgb(image):
         return image
     if image.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
         # 16-bit / 32-bit grayscale: Pillow's convert("RGB") would clip instead of scale.
-        array = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 255.0
-        array = np.clip(array / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
-        return Image.fromarray(array, "L").convert("RGB")
+        # Scale with Pillow in the image's own pixel type, then to 8 bits: a float64
+        # numpy copy would be 8 bytes a pixel (about 1 GB with its temporaries at 40 MP).
+        top = 65535.0 if image.mode.startswith("I;16") or image.getextrema()[1] > 255 else 255.0
+        if image.mode in ("I;16B", "I;16L"):
+            image = image.convert("I")  # point() scales only I;16, I and F
+        # + 0.5 rounds half up: the conversion to L truncates (and clips to 0..255)
+        scaled = image.point(lambda value: value * (255.0 / top) + 0.5)
+        return scaled.convert("L").convert("RGB")
     if image.mode == "P" and "transparency" in image.info:
         # Going through RGBA keeps Pillow from warning about palette transparency;
         # the alpha is then dropped like for any RGBA image.

@@ -294,3 +294,61 @@ def test_warmup_file_is_a_length_prefixed_jpeg(preprocessor):
     assert Image.open(io.BytesIO(raw[4:])).format == "JPEG"
     assert preprocessor(raw[4:]).shape == (3, 224, 224)
     assert "chelsea_320.jpeg.raw" in CONFIG.read_text()
+
+
+# ---------------------------------------------------------------- 16-bit grayscale
+
+def float_reference_to_8bit(image):
+    """The 16/32-bit grayscale rule written out in float64: scale to 0..255 by 65535
+    (or by 255 when no value exceeds it), round half up, clip."""
+    array = np.asarray(image, dtype=np.float64)
+    top = 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 255.0
+    return np.clip(array / top * 255.0 + 0.5, 0, 255).astype(np.uint8)
+
+
+def every_16bit_value():
+    return np.arange(65536, dtype=np.uint16).reshape(256, 256)
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16B", "I", "I-small", "F"])
+def test_16bit_and_32bit_grayscale_scale_like_the_float_reference(preprocessor, mode):
+    values = every_16bit_value()
+    if mode == "I;16":  # what a 16-bit grayscale PNG decodes to
+        decoded = preprocessor.decode(encode(Image.fromarray(values), "PNG"))
+        source = Image.fromarray(values)
+    else:  # modes no supported format yields today, converted by the same rule
+        from image_decode import _to_rgb
+
+        if mode == "I;16B":
+            source = Image.frombytes("I;16B", (256, 256), values.astype(">u2").tobytes())
+        elif mode == "I":
+            source = Image.fromarray(values.astype(np.int32) - 1000)  # negatives clip to 0
+        elif mode == "I-small":
+            source = Image.fromarray((values % 256).astype(np.int32))  # max 255: scaled by 255
+        else:
+            source = Image.fromarray(values.astype(np.float32) + 0.25)
+        decoded = _to_rgb(source)
+    assert decoded.mode == "RGB"
+    expected = float_reference_to_8bit(source)
+    for channel in range(3):
+        assert np.abs(np.asarray(decoded, dtype=int)[..., channel] - expected).max() <= 1
+
+
+def test_16bit_decode_keeps_transient_memory_small(preprocessor):
+    """A float64 copy of a 16-bit image is 8 bytes a pixel, about 1 GB with its
+    temporaries at the 40 MP limit; the conversion must stay well under 1 byte a pixel
+    of Python-visible memory (numpy arrays are traced, Pillow's own buffers are not)."""
+    import tracemalloc
+
+    width, height = 3000, 2000
+    gradient = (np.arange(width * height, dtype=np.uint32) % 65536).astype(np.uint16)
+    data = encode(Image.fromarray(gradient.reshape(height, width)), "PNG", compress_level=1)
+    del gradient
+    tracemalloc.start()
+    try:
+        decoded = preprocessor.decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert decoded.size == (width, height) and decoded.mode == "RGB"
+    assert peak < width * height // 4, f"peak {peak / 1e6:.1f} MB for {width * height / 1e6:.0f} MP"
