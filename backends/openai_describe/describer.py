@@ -102,7 +102,8 @@ class Describer:
         while True:
             if usage.attempts and is_cancelled():
                 raise Cancelled()
-            if not breaker.allow():
+            ticket = breaker.allow()
+            if ticket is None:
                 return self._fallback(job, usage, "circuit_open")
             usage.attempts += 1
             started = self._clock()
@@ -110,7 +111,7 @@ class Describer:
                 response = await self._call(job, messages, deadline, is_cancelled)
                 text = _answer_text(response)
             except Cancelled:
-                breaker.release()
+                breaker.release(ticket)
                 raise
             except Exception as exc:  # every failure becomes a decision below, never a crash
                 failure = self._classify(exc)
@@ -121,7 +122,7 @@ class Describer:
             self.observer.attempt_done(job.model, elapsed, failure.reason if failure else "ok")
 
             if failure is None:
-                breaker.record_success()
+                breaker.record_success(ticket)
                 prompt_tokens, completion_tokens = tokens_from(getattr(response, "usage", None))
                 usage.prompt_tokens, usage.completion_tokens = prompt_tokens, completion_tokens
                 usage.total_tokens = prompt_tokens + completion_tokens
@@ -132,9 +133,9 @@ class Describer:
                 return self._done(job, Result(text, "llm", usage, outcome))
 
             if failure.upstream_fault:
-                breaker.record_failure()
+                breaker.record_failure(ticket)
             else:
-                breaker.release()
+                breaker.release(ticket)
             if not failure.retryable or usage.attempts >= self.settings.max_attempts:
                 return self._fallback(job, usage, failure.reason)
             if failure.retry_after_s is not None and failure.retry_after_s > self.settings.max_retry_after_s:

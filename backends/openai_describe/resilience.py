@@ -89,6 +89,13 @@ class CircuitBreaker:
     `cooldown_s` one probe call is let through (half-open): success closes
     the circuit, failure opens it again for another cooldown.
 
+    allow() gives each call it lets through a ticket, the breaker's state
+    generation at that moment, and the call hands it back with its verdict.
+    A verdict on an older ticket is ignored: a call that started before the
+    circuit opened and ends during half-open says nothing about the probe,
+    so it must neither close nor re-open the circuit, nor free the probe's
+    place for a second probe.
+
     Used from one asyncio loop thread only, so it needs no lock.
     """
 
@@ -100,40 +107,47 @@ class CircuitBreaker:
         self._clock = clock
         self._on_change = on_change or (lambda state: None)
         self.state = self.CLOSED
+        self._generation = 0  # bumped on every change of state
         self._failures = 0
         self._opened_at = 0.0
         self._probe_in_flight = False
 
     def allow(self):
-        """May a call go upstream now? In half-open, only the single probe may."""
+        """A ticket if a call may go upstream now, else None. In half-open, only the single probe may."""
         if self.state == self.OPEN and self._clock() - self._opened_at >= self.cooldown_s:
             self._set(self.HALF_OPEN)
         if self.state == self.CLOSED:
-            return True
+            return self._generation
         if self.state == self.HALF_OPEN and not self._probe_in_flight:
             self._probe_in_flight = True
-            return True
-        return False
+            return self._generation
+        return None
 
-    def record_success(self):
+    def record_success(self, ticket):
+        if ticket != self._generation:
+            return
         self._failures = 0
         self._probe_in_flight = False
         if self.state != self.CLOSED:
             self._set(self.CLOSED)
 
-    def record_failure(self):
+    def record_failure(self, ticket):
+        if ticket != self._generation:
+            return
         self._failures += 1
         self._probe_in_flight = False
         if self.state == self.HALF_OPEN or self._failures >= self.threshold:
             self._opened_at = self._clock()
             self._set(self.OPEN)
 
-    def release(self):
+    def release(self, ticket):
         """A call that ended without a verdict (cancelled, or a client error):
         let another probe through instead of waiting forever."""
-        self._probe_in_flight = False
+        if ticket == self._generation:
+            self._probe_in_flight = False
 
     def _set(self, state):
         if state != self.state:
             self.state = state
+            self._generation += 1
             self._on_change(state)

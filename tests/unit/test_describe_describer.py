@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+from openai.types.chat import ChatCompletion
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -245,3 +246,64 @@ def test_one_describer_holds_500_calls_in_flight():
         assert fake.stats["max_in_flight"] >= 500, fake.stats["max_in_flight"]
         assert elapsed < 5, elapsed  # 600 calls of 1 s each: concurrent, not serial
     run(test, latency_ms=1000, timeout_s="10")
+
+
+class ScriptedClient:
+    """Stands in for AsyncOpenAI: each call waits until the test answers it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def post(self, path, cast_to=None, options=None, body=None):
+        call = asyncio.get_running_loop().create_future()
+        self.calls.append(call)
+        return call
+
+    async def close(self):
+        pass
+
+
+def completion(content, prompt_tokens, completion_tokens):
+    return ChatCompletion.model_validate({
+        "id": "c", "object": "chat.completion", "created": 0, "model": "gpt-4o-mini",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}})
+
+
+def scripted(test, **params):
+    """Run `test(client, describer, observer)` with a ScriptedClient."""
+    async def main():
+        client, observer = ScriptedClient(), Recorder()
+        settings = parse_settings(dict(FAST, **params), {})
+        return await test(client, Describer(settings, client, Scrubber(KEY), observer, Log()), observer)
+    return asyncio.run(main())
+
+
+async def until(condition, timeout=2.0):
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.001)
+
+
+def test_half_open_lets_one_probe_through_even_when_an_older_call_ends():
+    async def test(client, d, obs):
+        cancelled = []
+        old = asyncio.create_task(d.describe(job("old"), is_cancelled=lambda: bool(cancelled)))
+        await until(lambda: len(client.calls) == 1)
+        failing = asyncio.create_task(d.describe(job("fails")))
+        await until(lambda: len(client.calls) == 2)
+        client.calls[1].set_exception(TimeoutError())  # threshold 1: the circuit opens
+        assert (await failing).usage.fallback_reason == "timeout"
+        await asyncio.sleep(0.06)  # the cooldown
+        probe = asyncio.create_task(d.describe(job("probe")))
+        await until(lambda: len(client.calls) == 3)
+        cancelled.append(True)  # the call from before the circuit opened ends without a verdict
+        with pytest.raises(Cancelled):
+            await old
+        second = await asyncio.wait_for(d.describe(job("second")), 1.0)
+        assert second.usage.fallback_reason == "circuit_open" and len(client.calls) == 3
+        client.calls[2].set_result(completion("A tabby.", 10, 3))
+        assert (await probe).source == "llm"  # the probe's verdict closes the circuit
+    scripted(test, circuit_failure_threshold="1", circuit_cooldown_s="0.05", max_attempts="1")

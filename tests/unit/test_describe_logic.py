@@ -50,32 +50,52 @@ def test_backoff_is_exponential_capped_and_jittered():
 def test_circuit_opens_after_consecutive_failures_then_half_opens_one_probe():
     clock, changes = Clock(), []
     breaker = CircuitBreaker(threshold=3, cooldown_s=10, clock=clock, on_change=changes.append)
-    breaker.record_failure(), breaker.record_failure()
-    breaker.record_success()  # a success resets the count
+    breaker.record_failure(breaker.allow()), breaker.record_failure(breaker.allow())
+    breaker.record_success(breaker.allow())  # a success resets the count
     for _ in range(3):
-        assert breaker.allow()
-        breaker.record_failure()
-    assert breaker.state == "open" and not breaker.allow()
+        ticket = breaker.allow()
+        assert ticket is not None
+        breaker.record_failure(ticket)
+    assert breaker.state == "open" and breaker.allow() is None
     clock.now += 10
-    assert breaker.allow() and breaker.state == "half_open"
-    assert not breaker.allow()  # only one probe at a time
-    breaker.record_failure()    # the probe failed: open for another cooldown
-    assert breaker.state == "open" and not breaker.allow()
+    probe = breaker.allow()
+    assert probe is not None and breaker.state == "half_open"
+    assert breaker.allow() is None  # only one probe at a time
+    breaker.record_failure(probe)   # the probe failed: open for another cooldown
+    assert breaker.state == "open" and breaker.allow() is None
     clock.now += 10
-    assert breaker.allow()
-    breaker.record_success()
-    assert breaker.state == "closed" and breaker.allow()
+    breaker.record_success(breaker.allow())
+    assert breaker.state == "closed" and breaker.allow() is not None
     assert changes == ["open", "half_open", "open", "half_open", "closed"]
 
 
 def test_a_probe_without_verdict_lets_the_next_one_through():
     clock = Clock()
     breaker = CircuitBreaker(threshold=1, cooldown_s=1, clock=clock)
-    breaker.record_failure()
+    breaker.record_failure(breaker.allow())
     clock.now += 1
-    assert breaker.allow() and not breaker.allow()
-    breaker.release()
-    assert breaker.allow()
+    probe = breaker.allow()
+    assert probe is not None and breaker.allow() is None
+    breaker.release(probe)
+    assert breaker.allow() is not None
+
+
+def test_calls_from_before_the_circuit_opened_have_no_say_in_half_open():
+    clock, changes = Clock(), []
+    breaker = CircuitBreaker(threshold=1, cooldown_s=10, clock=clock, on_change=changes.append)
+    stale = [breaker.allow() for _ in range(3)]  # admitted while closed, still in flight
+    breaker.record_failure(breaker.allow())      # another call fails: open
+    clock.now += 10
+    probe = breaker.allow()
+    assert probe is not None
+    breaker.release(stale[0])          # ends without a verdict: the probe's place stays taken
+    assert breaker.allow() is None
+    breaker.record_success(stale[1])   # neither closes the circuit ...
+    breaker.record_failure(stale[2])   # ... nor re-opens it
+    assert breaker.state == "half_open" and breaker.allow() is None
+    breaker.record_success(probe)
+    assert breaker.state == "closed"
+    assert changes == ["open", "half_open", "closed"]
 
 
 def test_lru_cache_evicts_least_recent_and_expires():
