@@ -10,6 +10,7 @@ it runs through an admin API on the same port:
                        "count": null,        # apply to the next N requests, then "ok"
                        "duration_s": 3}      # "refuse": stop listening this long
   GET  /_admin/stats  requests received, in flight, last Authorization header,
+                      requests by Authorization header ("" when absent),
                       recent bodies and arrival times, disconnects
   POST /_admin/reset  back to "ok" with the start-up latency; clears the stats
 
@@ -75,8 +76,8 @@ class FakeOpenAI:
         self.retry_after = 1.0
         self.count = None
         self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
-                      "disconnected": 0, "last_authorization": None, "bodies": [], "arrivals": [],
-                      "by_mode": {}}
+                      "disconnected": 0, "last_authorization": None, "authorizations": {}, "bodies": [],
+                      "arrivals": [], "by_mode": {}}
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0):
         if mode not in MODES:
@@ -113,6 +114,8 @@ class FakeOpenAI:
         stats["in_flight"] += 1
         stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
         stats["last_authorization"] = request.headers.get("Authorization")
+        authorization = stats["last_authorization"] or ""
+        stats["authorizations"][authorization] = stats["authorizations"].get(authorization, 0) + 1
         stats["arrivals"] = (stats["arrivals"] + [time.time()])[-RECENT:]
         if request.transport is not None:
             self._transports.add(request.transport)
