@@ -18,22 +18,34 @@ the upstream) for `--duration-s` while it, in order:
      that retry connection failures and UNAVAILABLE (`retries=`);
   6. steady load until the end.
 
-Every request ends as a full answer or an error with its message; both are
-counted by phase. Afterwards the server log, every client-visible output and
-error, and the metrics are scanned for the LLM key and the admin key. Writes
-a JSON report (--report) and prints a summary; exits non-zero when a valid
-request was lost or failed outside the crash window, a hostile request was not
-answered with a clear error, the server did not survive, or a secret leaked.
+Every valid request ends, by phase, as a valid answer (labels and scores, a
+DESCRIPTION_SOURCE of llm or fallback, a description, and for llm the fake
+upstream's answer to that very prompt), an error answer with its message
+(failed), or lost: no answer (a transport error after the retries, a client
+timeout, or still unanswered `drain_s` after the load stops) or an answer that
+is not valid. Every client output and error, every hostile answer, every
+metrics scrape and the server logs are scanned for the LLM key and the admin
+key. At the end the metrics must still show the describe families, and the
+fake upstream must have seen the LLM key as `Authorization: Bearer <key>` on
+every request it received.
+
+`judge()` turns these observations into the list of problems. Writes a JSON
+report (--report) and prints a summary; exits non-zero on any problem: a valid
+request lost or failed outside the crash window, a hostile request not
+answered with a clear error, the server not ready at the end, a fault not
+recovered, the metrics or the upstream's key check wrong, or a secret found.
 Stops by itself; every process it starts is stopped by its PID.
 """
 
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
+import itertools
 import json
 import os
 import pathlib
-import random
+import re
 import shutil
 import signal
 import sys
@@ -47,7 +59,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from classify_describe import AsyncClient  # noqa: E402
+from classify_describe import AsyncClient, TritonRequestError  # noqa: E402
 from scripts.local_stack import FakeLLM, TritonServer, http_json, rss_mb, stub_pid, tritonserver_pid  # noqa: E402
 
 ENSEMBLE = "classify_and_describe"
@@ -114,58 +126,124 @@ class Server(TritonServer):
         return "\n".join(p.read_text(errors="replace") for p in self.log_paths if p.exists())
 
 
+def metric_samples(text):
+    """(name, labels, value) for each sample line of a Prometheus text page."""
+    for line in text.splitlines():
+        match = re.match(r"^([A-Za-z_:][\w:]*)(?:\{(.*)\})? (\S+)", line)
+        if match:
+            yield match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or "")), float(match.group(3))
+
+
 def circuit_state(metrics_text, upstream_model):
-    for line in metrics_text.splitlines():
-        if line.startswith("describe_circuit_state{") and f'upstream_model="{upstream_model}"' in line:
-            return float(line.rsplit(" ", 1)[1])
+    for name, labels, value in metric_samples(metrics_text):
+        if name == "describe_circuit_state" and labels.get("upstream_model") == upstream_model:
+            return value
     return None
+
+
+class SecretScan:
+    """Looks for each secret in every text it is shown, as the text arrives (so
+    nothing has to be kept); `found` names where, `scanned` counts the texts."""
+
+    def __init__(self, secrets):
+        self.secrets = dict(secrets)  # name -> value
+        self.scanned = {}
+        self.found = {}  # where -> {secret names}
+
+    def names_in(self, text):
+        return {name for name, secret in self.secrets.items() if secret in text}
+
+    def scan(self, where, text):
+        self.scanned[where] = self.scanned.get(where, 0) + 1
+        names = self.names_in(text)
+        if names:
+            self.found.setdefault(where, set()).update(names)
 
 
 # -- valid load ---------------------------------------------------------------------
 
-class Tally:
-    """Every valid request's fate, by phase."""
+def prompt_for(number):
+    # The fake upstream's answer quotes the first line of the user message, which
+    # is this prompt: an LLM description that lacks it answers another request.
+    return f"Soak request {number}: what is it?"
 
-    def __init__(self):
+
+def answer_problem(result, number):
+    """Why `result` is not a valid answer to soak request `number`, or None."""
+    if not result.labels or len(result.scores) != len(result.labels):
+        return f"{len(result.labels)} LABELS for {len(result.scores)} SCORES"
+    if not all(isinstance(label, str) and label.strip() for label in result.labels):
+        return "an empty label"
+    if not all(-1e-6 <= score <= 1 + 1e-6 for score in result.scores):  # also false for NaN
+        return "a score outside [0, 1]"
+    if result.description_source not in ("llm", "fallback"):
+        return f"DESCRIPTION_SOURCE {result.description_source!r}"
+    if not result.description.strip():
+        return "an empty DESCRIPTION"
+    if result.description_source == "llm" and prompt_for(number) not in result.description:
+        return "an LLM DESCRIPTION that does not answer this request's prompt"
+    return None
+
+
+class Tally:
+    """Every valid request's fate, by phase: a valid answer (llm or fallback),
+    failed (an error answer, with its message), or lost (no valid answer). Every
+    output and error a client sees goes through `scan` as it arrives."""
+
+    def __init__(self, scan):
+        self.scan = scan
         self.phase = "warmup"
         self.by_phase = {}
-        self.outputs = []  # everything a client saw, for the secret scan (bounded)
-        self.errors = []
+        self.errors = []  # failed: {"phase", "error"}
+        self.lost_requests = []  # {"phase", "kind", "detail"}
 
     def row(self, phase=None):
         """The counts of a phase (the current one by default), created empty:
         a phase may be read before any of its requests has been sent."""
         return self.by_phase.setdefault(phase or self.phase,
-                                        {"sent": 0, "llm": 0, "fallback": 0, "failed": 0,
+                                        {"sent": 0, "llm": 0, "fallback": 0, "failed": 0, "lost": 0,
                                          "fallback_reasons": {}, "latency_ms": []})
 
     def sent(self):
         self.row()["sent"] += 1
         return self.phase
 
-    def answered(self, phase, result):
+    def answered(self, phase, number, result):
+        output = json.dumps(result.as_dict())
+        self.scan.scan("client_outputs", output)
+        problem = answer_problem(result, number)
+        if problem:
+            self.lost(phase, "invalid answer", problem)
+            return
         row = self.by_phase[phase]
-        row[result.description_source if result.description_source in ("llm", "fallback") else "failed"] += 1
+        row[result.description_source] += 1
         if result.description_source == "fallback":
             reason = str(result.usage.get("fallback_reason"))
             row["fallback_reasons"][reason] = row["fallback_reasons"].get(reason, 0) + 1
         row["latency_ms"].append(result.latency_ms)
-        if len(self.outputs) < 5000 or random.random() < 0.01:
-            self.outputs.append(json.dumps(result.as_dict()))
 
     def failed(self, phase, error):
-        row = self.by_phase[phase]
-        row["failed"] += 1
+        self.by_phase[phase]["failed"] += 1
         message = f"{type(error).__name__}: {error}"
+        self.scan.scan("client_errors", message)
         self.errors.append({"phase": phase, "error": message[:300]})
-        self.outputs.append(message)
+
+    def lost(self, phase, kind, detail=""):
+        """`kind` is a fixed phrase (it goes into the verdict); `detail` only
+        into the report's sample, after the secret scan."""
+        self.by_phase[phase]["lost"] += 1
+        self.scan.scan("client_errors", detail)
+        self.lost_requests.append({"phase": phase, "kind": kind, "detail": detail[:300]})
 
     def totals(self):
+        """Counts over all phases; `lost` is what the sends leave unaccounted for
+        by an answer or an error, whatever the reason was recorded or not."""
         total = {"sent": 0, "llm": 0, "fallback": 0, "failed": 0}
         for row in self.by_phase.values():
             for key in total:
                 total[key] += row[key]
         total["answered"] = total["llm"] + total["fallback"]
+        total["lost"] = total["sent"] - total["answered"] - total["failed"]
         return total
 
     def summary(self):
@@ -179,26 +257,42 @@ class Tally:
         return out
 
 
-async def valid_load(url, images, concurrency, tally, stop, retries, timeout_s=120.0):
-    """`concurrency` closed-loop workers; each request has a distinct prompt."""
-    counter = iter(range(10 ** 9))
-    async with AsyncClient(url, concurrency=concurrency, timeout_s=timeout_s, retries=retries,
-                           retry_backoff_s=0.5) as client:
-        async def worker(index):
-            while not stop.is_set():
-                number = next(counter)
-                image = images[number % len(images)]
-                phase = tally.sent()
-                try:
-                    result = await client.infer(image, prompt=f"Soak request {number}: what is it?")
-                except Exception as error:  # noqa: BLE001 - every failure is counted
-                    tally.failed(phase, error)
-                    await asyncio.sleep(0.05)
-                else:
-                    tally.answered(phase, result)
+async def valid_load(client, images, concurrency, tally, stop, drain_s=180.0):
+    """`concurrency` closed-loop workers sending through `client` (an AsyncClient)
+    until `stop` is set; each request has a distinct prompt. Then every worker
+    finishes the request it has in flight; one still unanswered `drain_s` later
+    is cancelled and counted lost."""
+    numbers = itertools.count()
 
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-        return client.retried
+    async def worker():
+        while not stop.is_set():
+            number = next(numbers)
+            phase = tally.sent()
+            try:
+                result = await client.infer(images[number % len(images)], prompt=prompt_for(number))
+            except asyncio.CancelledError:
+                tally.lost(phase, "no answer when the load stopped")
+                raise
+            except TritonRequestError as error:  # the server answered with an error
+                tally.failed(phase, error)
+                await asyncio.sleep(0.05)
+            except Exception as error:  # noqa: BLE001 - no answer at all (after the client's retries)
+                tally.lost(phase, f"no answer ({type(error).__name__})", str(error))
+                await asyncio.sleep(0.05)
+            else:
+                tally.answered(phase, number, result)
+
+    workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    try:
+        await stop.wait()
+        await asyncio.wait(workers, timeout=drain_s)
+    finally:
+        for task in workers:
+            task.cancel()
+        results = await asyncio.gather(*workers, return_exceptions=True)
+    for result in results:  # a bug in the worker itself ends the soak, not passes as lost requests
+        if isinstance(result, Exception):
+            raise result
 
 
 # -- hostile input ------------------------------------------------------------------
@@ -439,7 +533,10 @@ async def soak(args, workdir):
     fake = FakeUpstream(workdir, args.llm_latency_ms)
     server = Server(workdir, {"LLM_BASE_URL": fake.base_url, "LLM_API_KEY": llm_key,
                               "TRITON_ADMIN_KEY": admin_key})
-    tally = Tally()
+    scan = SecretScan({"LLM key": llm_key, "admin key": admin_key})
+    tally = Tally(scan)
+    client = AsyncClient(server.http_url, concurrency=args.concurrency, timeout_s=120.0, retries=args.retries,
+                         retry_backoff_s=0.5)
     stop = asyncio.Event()
     run_started = time.monotonic()
     deadline = run_started + args.duration_s
@@ -462,10 +559,15 @@ async def soak(args, workdir):
     async def in_thread(function, *a):
         return await asyncio.get_running_loop().run_in_executor(None, function, *a)
 
+    def scrape_metrics():
+        text = server.metrics()
+        scan.scan("metrics", text)
+        return text
+
     try:
         report["server_start_s"] = round(await in_thread(server.start), 1)
-        load = asyncio.ensure_future(valid_load(server.http_url, [images["chelsea"], images["coffee"]],
-                                                args.concurrency, tally, stop, args.retries))
+        load = asyncio.ensure_future(valid_load(client, [images["chelsea"], images["coffee"]],
+                                                args.concurrency, tally, stop))
         await asyncio.sleep(min(10.0, args.duration_s * 0.05))  # warm-up
 
         # 1. steady load + hostile corpus alongside
@@ -475,6 +577,8 @@ async def soak(args, workdir):
         cases = hostile_corpus(images)
         corpus_started = time.monotonic()
         results = await run_corpus(cases, server.http_url, server.grpc_url)
+        for result in results:
+            scan.scan("hostile_answers", json.dumps(result))
         report["hostile"] = corpus_summary(results)
         report["hostile"]["seconds"] = round(time.monotonic() - corpus_started, 1)
         report["hostile"]["server_ready_after"] = server.is_ready()
@@ -502,7 +606,7 @@ async def soak(args, workdir):
             await asyncio.sleep(0.25)
             if first_llm is None and tally.by_phase.get("llm_recovery", {}).get("llm", 0) > before:
                 first_llm = time.monotonic() - recovered_at
-            if circuit_closed is None and circuit_state(await in_thread(server.metrics), "gpt-4o-mini") == 0:
+            if circuit_closed is None and circuit_state(await in_thread(scrape_metrics), "gpt-4o-mini") == 0:
                 circuit_closed = time.monotonic() - recovered_at
         fault("llm_recovered", first_llm_answer_s=round(first_llm, 1) if first_llm is not None else None,
               circuit_closed_s=round(circuit_closed, 1) if circuit_closed is not None else None,
@@ -559,54 +663,137 @@ async def soak(args, workdir):
         await sleep_until(deadline)
         report["rss_end_mb"] = sample_rss("end")
         stop.set()
-        report["client_retries"] = await asyncio.wait_for(load, 180)
-        report["server_ready_at_end"] = server.is_ready()
-        report["metrics_tail_ok"] = True
-        metrics = server.metrics()
+        await load
+        report["client_retries"] = client.retried
+        server_ready_at_end = server.is_ready()
+        try:
+            metrics = await in_thread(server.metrics)  # judge() checks and scans it
+        except OSError as error:
+            log(f"metrics at the end: {error}")
+            metrics = None
+        try:
+            upstream = fake.admin("stats")
+        except OSError as error:
+            log(f"fake upstream stats: {error}")
+            upstream = None
     finally:
         stop.set()
+        await client.close()
         server.stop()
         fake.stop()
 
-    # Secrets: logs, everything a client saw, the metrics, the corpus answers.
-    haystacks = {"server_logs": server.logs(), "client_outputs": "\n".join(tally.outputs),
-                 "client_errors": json.dumps(tally.errors), "metrics": metrics,
-                 "hostile_answers": json.dumps(results)}
-    report["secret_leaks"] = [where for where, text in haystacks.items()
-                              for secret in (llm_key, admin_key) if secret in text]
-    report["upstream_saw_key"] = True  # the fake got "Bearer <key>": checked in the tests
-    report["valid"] = tally.totals()
-    report["valid_by_phase"] = tally.summary()
-    report["valid_errors_sample"] = tally.errors[:20]
-    # Requests that met the killed stub (sent just before or during the kill).
-    report["valid_failed_stub_down"] = sum("is not healthy" in e["error"] for e in tally.errors)
+    report.update(judge(Observed(
+        llm_key=llm_key, tally=tally, scan=scan, hostile=report["hostile"], faults=report["faults"],
+        server_ready_at_end=server_ready_at_end, metrics=metrics, upstream=upstream, server_logs=server.logs())))
     report["wall_s"] = round(time.monotonic() - run_started, 1)
     return report
 
 
-def verdict(report):
+# -- the verdict ----------------------------------------------------------------------
+
+# All written by the describe model's _Metrics (backends/openai_describe/model.py)
+# once it has served one LLM answer (some from its load on); by the end of the
+# run the server restarted in phase 5 has served many.
+DESCRIBE_FAMILIES = ("describe_requests_total", "describe_prompt_tokens_total", "describe_completion_tokens_total",
+                     "describe_cost_usd_total", "describe_upstream_latency_seconds", "describe_circuit_state",
+                     "describe_upstream_in_flight", "describe_upstream_queued", "describe_cache_lookups_total")
+
+
+@dataclasses.dataclass
+class Observed:
+    """What a soak run saw, for `judge`. It holds the LLM key: never written out."""
+
+    llm_key: str
+    tally: Tally  # every valid request's fate
+    scan: SecretScan  # the secrets, and the texts scanned during the run (outputs, errors, scrapes)
+    hostile: dict  # corpus_summary() of the hostile corpus
+    faults: list  # the fault entries of the report
+    server_ready_at_end: bool
+    metrics: str | None  # the last metrics scrape; None when the endpoint did not answer
+    upstream: dict | None  # the fake upstream's /_admin/stats at the end; None when unreadable
+    server_logs: str  # every start's log
+
+
+def metrics_check(text):
+    """-> (figures, problems) for the metrics page at the end of the run."""
+    if text is None:
+        return {"answered": False}, ["the metrics endpoint did not answer at the end"]
+    names = {name for name, _, _ in metric_samples(text)}
+    missing = [family for family in DESCRIBE_FAMILIES
+               if not names & {family, f"{family}_bucket", f"{family}_sum", f"{family}_count"}]
+    llm_ok = sum(value for name, labels, value in metric_samples(text)
+                 if name == "describe_requests_total" and labels.get("outcome") == "ok")
     problems = []
-    valid = report["valid"]
-    crash = report["valid_failed_stub_down"]
-    if valid["sent"] != valid["answered"] + valid["failed"]:
-        problems.append("requests lost (sent != answered + failed)")
-    if valid["failed"] - crash:
-        problems.append(f"{valid['failed'] - crash} valid request(s) failed other than on the killed stub")
-    if report["hostile"]["clear"] != report["hostile"]["sent"]:
-        problems.append(f"{report['hostile']['sent'] - report['hostile']['clear']} hostile request(s) "
+    if missing:
+        problems.append(f"metrics at the end lack {', '.join(missing)}")
+    elif not llm_ok:  # the restarted server served LLM answers: its page must count them
+        problems.append('metrics at the end count no describe_requests_total{outcome="ok"}')
+    return {"answered": True, "missing_families": missing, "requests_ok": llm_ok}, problems
+
+
+def upstream_key_check(stats, llm_key):
+    """-> (figures, problems): did every request the fake upstream received carry
+    `Authorization: Bearer <LLM key>`? The figures hold counts only, never a header."""
+    if stats is None:
+        return {"requests": None}, ["the fake upstream's stats could not be read"]
+    received = stats.get("requests", 0)
+    with_key = stats.get("authorizations", {}).get(f"Bearer {llm_key}", 0)
+    figures = {"requests": received, "with_key": with_key}
+    if not received:
+        return figures, ["the fake upstream received no request"]
+    if with_key != received:
+        return figures, [f"{received - with_key} of {received} upstream request(s) without "
+                         "'Authorization: Bearer <LLM key>'"]
+    return figures, []
+
+
+def judge(seen):
+    """The report's findings from what the run observed, with `problems`: one
+    line per check that failed (empty when the soak passed)."""
+    tally = seen.tally
+    valid = tally.totals()
+    # Requests that met the killed stub (sent just before or during the kill).
+    stub_down = sum("is not healthy" in e["error"] for e in tally.errors)
+    metrics, metrics_problems = metrics_check(seen.metrics)
+    upstream, upstream_problems = upstream_key_check(seen.upstream, seen.llm_key)
+    found = {where: set(names) for where, names in seen.scan.found.items()}
+    scanned = dict(seen.scan.scanned)
+    for where, text in (("metrics", seen.metrics), ("server_logs", seen.server_logs)):
+        if text is not None:
+            scanned[where] = scanned.get(where, 0) + 1
+            found.setdefault(where, set()).update(seen.scan.names_in(text))
+    found = {where: names for where, names in found.items() if names}
+    leaks = [f"{where}: {', '.join(sorted(names))}" for where, names in sorted(found.items())]
+    problems = []
+    if valid["lost"]:
+        kinds = {}
+        for entry in tally.lost_requests:
+            kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+        if valid["lost"] > len(tally.lost_requests):
+            kinds["sent, then nothing recorded"] = valid["lost"] - len(tally.lost_requests)
+        problems.append(f"{valid['lost']} valid request(s) lost (no valid answer): {kinds}")
+    if valid["failed"] - stub_down:
+        problems.append(f"{valid['failed'] - stub_down} valid request(s) failed other than on the killed stub")
+    if seen.hostile["clear"] != seen.hostile["sent"]:
+        problems.append(f"{seen.hostile['sent'] - seen.hostile['clear']} hostile request(s) "
                         "without a clear error")
-    if report["hostile"]["sent"] < 200:
+    if seen.hostile["sent"] < 200:
         problems.append("hostile corpus smaller than 200")
-    if not report.get("server_ready_at_end"):
+    if not seen.server_ready_at_end:
         problems.append("server not ready at the end")
-    if report["secret_leaks"]:
-        problems.append(f"secret found in {report['secret_leaks']}")
-    for entry in report["faults"]:
+    problems += metrics_problems + upstream_problems
+    problems += [f"secret found in {leak}" for leak in leaks]
+    for entry in seen.faults:
         if entry["fault"] == "preprocess_stub_sigkill" and not entry.get("serving_again_s"):
             problems.append("preprocess not serving again after its stub was killed")
         if entry["fault"] == "llm_recovered" and entry.get("circuit_closed_s") is None:
             problems.append("circuit did not close after the upstream recovered")
-    return problems
+    return {"valid": valid, "valid_by_phase": tally.summary(), "valid_errors_sample": tally.errors[:20],
+            "valid_lost_sample": tally.lost_requests[:20], "valid_failed_stub_down": stub_down,
+            "server_ready_at_end": seen.server_ready_at_end,
+            "metrics_tail": metrics, "metrics_tail_ok": not metrics_problems and "metrics" not in found,
+            "upstream_key": upstream, "upstream_saw_key": not upstream_problems,
+            "secrets_scanned": scanned, "secret_leaks": leaks, "problems": problems}
 
 
 def main(argv=None):
@@ -629,7 +816,6 @@ def main(argv=None):
     report = asyncio.run(soak(args, workdir))
     report["config"] = {k: str(v) for k, v in vars(args).items()}
     report["workdir"] = str(workdir)
-    report["problems"] = verdict(report)
     args.report.parent.mkdir(parents=True, exist_ok=True)
     args.report.write_text(json.dumps(report, indent=1))
     valid = report["valid"]
