@@ -4,6 +4,7 @@ accounting. Runs on one asyncio loop; knows nothing about Triton.
 """
 
 import asyncio
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -105,10 +106,23 @@ class Describer:
             ticket = breaker.allow()
             if ticket is None:
                 return self._fallback(job, usage, "circuit_open")
+            try:
+                await self._take_slot(deadline, is_cancelled)
+            except TimeoutError:
+                # Our own queue under max_in_flight was too long: that says nothing
+                # about the upstream, so no verdict for the breaker and no latency.
+                breaker.release(ticket)
+                return self._fallback(job, usage, "local_queue_timeout")
+            except Cancelled:
+                breaker.release(ticket)
+                raise
             usage.attempts += 1
+            # Time spent queued for a slot or in back-off may leave this attempt
+            # less than its timeout_s before the request's deadline.
+            timeout = max(0.001, min(job.timeout_s, deadline - self._clock()))
             started = self._clock()
             try:
-                response = await self._call(job, messages, deadline, is_cancelled)
+                response = await self._call(job, messages, timeout, is_cancelled)
                 text = _answer_text(response)
             except Cancelled:
                 breaker.release(ticket)
@@ -132,6 +146,9 @@ class Describer:
                 outcome = "ok" if usage.attempts == 1 else "retried"
                 return self._done(job, Result(text, "llm", usage, outcome))
 
+            if failure.reason == "timeout" and timeout < job.timeout_s:
+                # An attempt cut short by our deadline had no fair chance: no verdict.
+                failure = dataclasses.replace(failure, upstream_fault=False)
             if failure.upstream_fault:
                 breaker.record_failure(ticket)
             else:
@@ -152,9 +169,9 @@ class Describer:
 
     # -- one upstream attempt ------------------------------------------------------
 
-    async def _call(self, job, messages, deadline, is_cancelled):
-        """Wait for a slot under the concurrency cap (queueing, not failing),
-        then make one call bounded by the per-attempt timeout."""
+    async def _take_slot(self, deadline, is_cancelled):
+        """Wait for a slot under the concurrency cap (queueing, not failing)
+        until the request's deadline; TimeoutError if none came."""
         self._queued += 1
         self.observer.queued(self._queued)
         try:
@@ -163,10 +180,13 @@ class Describer:
         finally:
             self._queued -= 1
             self.observer.queued(self._queued)
+
+    async def _call(self, job, messages, timeout, is_cancelled):
+        """One call on a slot from _take_slot, bounded by `timeout`; gives the
+        slot back."""
         self._in_flight += 1
         self.observer.in_flight(self._in_flight)
         try:
-            timeout = max(0.001, min(job.timeout_s, deadline - self._clock()))
             # The SDK's generic post() with the typed ChatCompletion result: same
             # auth, errors and parsing as chat.completions.create(), without its
             # per-call TypedDict transform of the body (about 1 ms of CPU per call

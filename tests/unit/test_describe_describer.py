@@ -248,6 +248,28 @@ def test_one_describer_holds_500_calls_in_flight():
     run(test, latency_ms=1000, timeout_s="10")
 
 
+def test_waiting_for_a_local_slot_is_not_an_upstream_failure():
+    """A request that gets no slot under max_in_flight in time says nothing about
+    the upstream: its own fallback reason, no upstream latency, no breaker verdict."""
+    async def test(fake, d, obs, log):
+        assert (await d.describe(job("warm the client"))).source == "llm"
+        await d._slots.acquire()  # the only slot, held by another request's call
+        r = await d.describe(job("queued"))
+        assert r.source == "fallback" and r.usage.fallback_reason == "local_queue_timeout"
+        assert r.usage.attempts == 0 and r.usage.upstream_latency_ms == 0
+        assert obs.attempts == ["ok"] and fake.stats["requests"] == 1
+        # A slot freed just before the deadline leaves the call a sliver of its
+        # timeout: its timeout is not held against the upstream either.
+        fake.set_mode("hang", count=1)
+        asyncio.get_running_loop().call_later(0.25, d._slots.release)
+        r = await d.describe(job("late slot"))
+        assert r.usage.fallback_reason == "timeout" and r.usage.attempts == 1
+        assert r.usage.upstream_latency_ms < 200  # the 250 ms in the queue are not in it
+        # The provider is healthy and the circuit (threshold 1) stayed closed.
+        assert (await d.describe(job("after"))).source == "llm"
+    run(test, max_in_flight="1", total_timeout_s="0.3", circuit_failure_threshold="1")
+
+
 class ScriptedClient:
     """Stands in for AsyncOpenAI: each call waits until the test answers it."""
 
