@@ -5,7 +5,11 @@ SCORES, DESCRIPTION, DESCRIPTION_SOURCE, USAGE out) and return `Result`.
 """
 
 import asyncio
+import http.client
+import itertools
 import json
+import os
+import pathlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -17,33 +21,77 @@ OUTPUT_NAMES = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"
 
 
 class TritonRequestError(RuntimeError):
-    """The server answered this request with an error (bad image, unknown model...)."""
+    """One request failed; the other requests are unaffected.
+
+    `infer` raises it when the server answered with an error (a bad image, a
+    limit, an unknown model, UNAVAILABLE). `infer_many` reports every failure of
+    one image with it: also no answer (connection refused or closed, timed out)
+    and a file that cannot be read, with the original error as `__cause__`.
+
+    `retryable`: sending the same image again may succeed (no answer came, or
+    the server was unavailable); False when the server refused the request
+    itself (INVALID_ARG / 400) or the file cannot be read.
+    """
+
+    def __init__(self, message, retryable=False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
-# What `retries=N` resends: the request never got an answer because the
-# connection failed (refused while the server restarts, reset, closed), or the
-# server said UNAVAILABLE (gRPC status, HTTP 503: stopping, model not ready).
-# Never an answer that says the request itself is wrong (INVALID_ARG / 400).
-_RETRY_STATUSES = {"StatusCode.UNAVAILABLE", "503"}
+# Retryable: the request got no answer because the connection failed (refused
+# while the server restarts, reset, closed, an answer cut short) or it timed
+# out, or the server said UNAVAILABLE (gRPC status, HTTP 503: stopping, model
+# not ready). Never an answer that says the request itself is wrong.
+_UNAVAILABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503"}
+_TIMEOUT_STATUSES = {"StatusCode.DEADLINE_EXCEEDED"}  # gRPC's client_timeout
 
 
-def _connection_errors():
-    errors = [ConnectionError, TimeoutError]
+def _no_answer_errors():
+    # geventhttpclient raises plain socket errors (ConnectionRefusedError, reset,
+    # socket timeout) and an http.client.HTTPException for a connection closed
+    # before the answer; aiohttp its ClientConnectionError family,
+    # ClientPayloadError for an answer cut short, and TimeoutError.
+    errors = [ConnectionError, TimeoutError, asyncio.TimeoutError, http.client.HTTPException]
     try:
         import aiohttp
-        errors.append(aiohttp.ClientConnectionError)
+        errors += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
     except ImportError:
         pass
     return tuple(errors)
 
 
+def _timed_out(error, module):
+    if isinstance(error, module.InferenceServerException):
+        return str(error.status()) in _TIMEOUT_STATUSES
+    return isinstance(error, (TimeoutError, asyncio.TimeoutError))
+
+
 def _retryable(error, module):
     if isinstance(error, module.InferenceServerException):
-        return str(error.status()) in _RETRY_STATUSES
-    # geventhttpclient raises plain socket errors (ConnectionRefusedError, reset);
-    # aiohttp its ClientConnectionError family. A timeout is not resent here: the
-    # server may still be working on the request.
-    return isinstance(error, _connection_errors()) and not isinstance(error, TimeoutError)
+        return str(error.status()) in _UNAVAILABLE_STATUSES | _TIMEOUT_STATUSES
+    return isinstance(error, _no_answer_errors())
+
+
+def _resend(error, module):
+    # What `retries=N` resends: the retryable errors but a timeout, which the
+    # server may still be working on; resending it would pile more work on a
+    # server that is already slow.
+    return _retryable(error, module) and not _timed_out(error, module)
+
+
+def _request_error(error, module, timeout_s):
+    """The TritonRequestError that reports `error`, the last attempt's failure."""
+    if isinstance(error, module.InferenceServerException):
+        message = error.message()
+    elif _timed_out(error, module):
+        message = f"no answer within {timeout_s:g} s (timed out)"
+    elif _retryable(error, module):
+        message = f"no answer: {str(error) or type(error).__name__}"
+    else:
+        message = f"{type(error).__name__}: {error}"
+    request_error = TritonRequestError(message, retryable=_retryable(error, module))
+    request_error.__cause__ = error
+    return request_error
 
 
 def _backoff_s(base_s, attempt):
@@ -132,7 +180,12 @@ class Client:
         """`retries`: how many times to resend a request that got no answer
         (connection refused or broken, e.g. while the server restarts) or
         UNAVAILABLE; 0 (the default) never resends. Errors about the request
-        itself (INVALID_ARG: a bad image, a limit) are never resent."""
+        itself (INVALID_ARG: a bad image, a limit) are never resent, nor is a
+        request that timed out (the server may still be working on it).
+
+        `infer` raises TritonRequestError when the server answered with an
+        error, and the connection's own error (ConnectionError, TimeoutError...)
+        when no answer came."""
         _check_retries(retries, retry_backoff_s)
         self._retries, self._retry_backoff_s = retries, retry_backoff_s
         self.retried = 0  # resends so far, for callers who count them
@@ -157,12 +210,12 @@ class Client:
                                             parameters=parameters, **kwargs)
                 break
             except Exception as error:
-                if attempt < self._retries and _retryable(error, self._module):
+                if attempt < self._retries and _resend(error, self._module):
                     self.retried += 1
                     time.sleep(_backoff_s(self._retry_backoff_s, attempt))
                     continue
                 if isinstance(error, self._module.InferenceServerException):
-                    raise TritonRequestError(error.message()) from None
+                    raise _request_error(error, self._module, self._timeout_s) from None
                 raise
         return _parse(result, (time.perf_counter() - started) * 1e3)
 
@@ -189,7 +242,7 @@ class AsyncClient:
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
                  concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5):
-        """`retries`: as for Client (connection failures and UNAVAILABLE only)."""
+        """`retries`: as for Client (no answer and UNAVAILABLE only, never a timeout)."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         _check_retries(retries, retry_backoff_s)
@@ -199,6 +252,7 @@ class AsyncClient:
         self._protocol = protocol
         self._model_name = model_name
         self._timeout_s = timeout_s
+        self._concurrency = concurrency
         self._limit = asyncio.Semaphore(concurrency)
         if protocol == "http":
             self._client = self._module.InferenceServerClient(
@@ -218,30 +272,53 @@ class AsyncClient:
                         self._model_name, inputs, outputs=outputs, parameters=parameters, **kwargs)
                     break
                 except Exception as error:
-                    if attempt < self._retries and _retryable(error, self._module):
+                    if attempt < self._retries and _resend(error, self._module):
                         self.retried += 1
                         await asyncio.sleep(_backoff_s(self._retry_backoff_s, attempt))
                         continue
                     if isinstance(error, self._module.InferenceServerException):
-                        raise TritonRequestError(error.message()) from None
+                        raise _request_error(error, self._module, self._timeout_s) from None
                     raise
             return _parse(result, (time.perf_counter() - started) * 1e3)
 
     async def infer_many(self, images, prompt=None):
-        """Yield (index, Result or TritonRequestError) in completion order."""
+        """Yield (index, Result or TritonRequestError) for each image, in completion order.
+
+        `images`: an iterable of encoded bytes or file paths. It is consumed only
+        as the window frees and a path is read just before its request is sent,
+        so a directory of thousands of photos is never all in memory. A failed
+        image never ends the others: its TritonRequestError says what went wrong
+        (after the retries) and whether it is `retryable`.
+        """
 
         async def one(index, image):
+            if isinstance(image, (str, os.PathLike)):
+                try:
+                    image = pathlib.Path(image).read_bytes()
+                except OSError as error:
+                    failure = TritonRequestError(f"cannot read the file: {error.strerror or error}")
+                    failure.__cause__ = error
+                    return index, failure
             try:
                 return index, await self.infer(image, prompt)
             except TritonRequestError as error:
                 return index, error
+            except Exception as error:  # noqa: BLE001 - whatever failed, it failed this image only
+                return index, _request_error(error, self._module, self._timeout_s)
 
-        tasks = [asyncio.ensure_future(one(i, image)) for i, image in enumerate(images)]
+        numbered = enumerate(images)
+        in_flight = set()
         try:
-            for finished in asyncio.as_completed(tasks):
-                yield await finished
+            while True:
+                for index, image in itertools.islice(numbered, self._concurrency - len(in_flight)):
+                    in_flight.add(asyncio.ensure_future(one(index, image)))
+                if not in_flight:
+                    return
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    yield task.result()
         finally:
-            for task in tasks:
+            for task in in_flight:
                 task.cancel()
 
     async def close(self):

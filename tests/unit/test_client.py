@@ -1,0 +1,222 @@
+"""classify_describe (client and command line) against a stand-in server on 127.0.0.1.
+
+The stand-in speaks just enough of KServe v2 (POST /v2/models/<m>/infer) for
+tritonclient: each image's bytes say how the stand-in treats it, "ok:cat" is
+answered, "drop:x" gets the connection closed without an answer, "timeout:x" no
+answer until the test ends, "unavailable:x" a 503, "invalid:x" a 400, and a
+"-once" suffix on the kind ("drop-once:x") fails only the first attempt.
+"""
+
+import asyncio
+import collections
+import http.client
+import http.server
+import json
+import pathlib
+import re
+import socket
+import threading
+
+import pytest
+
+from classify_describe import AsyncClient, Client, Result, TritonRequestError
+from classify_describe import client as client_module
+
+IMAGE_PATTERN = re.compile(rb"(ok|drop|timeout|unavailable|invalid)(-once)?:(\w+)")
+
+
+class StandIn(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.attempts = collections.Counter()  # image bytes -> requests seen
+        self.arrivals = []  # what on_arrival() returned, per request in arrival order
+        self.on_arrival = lambda: None
+        self.release = threading.Event()  # ends the "timeout" waits
+        self.lock = threading.Lock()
+
+    @property
+    def url(self):
+        return f"127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request, client_address):
+        pass  # a client that gave up on a "timeout" answer is expected
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as tritonclient expects
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        found = IMAGE_PATTERN.search(body)
+        with self.server.lock:
+            self.server.arrivals.append(self.server.on_arrival())
+            self.server.attempts[found.group(0)] += 1
+            attempt = self.server.attempts[found.group(0)]
+        kind, once, name = found.group(1).decode(), found.group(2), found.group(3).decode()
+        if once and attempt > 1:
+            kind = "ok"
+        if kind == "drop":
+            self.close_connection = True  # closed with no answer at all
+        elif kind == "timeout":
+            self.server.release.wait(10)
+            self.close_connection = True
+        elif kind == "unavailable":
+            self.reply(503, {"error": "Request for unknown model: 'classify_and_describe' is not ready"})
+        elif kind == "invalid":
+            self.reply(400, {"error": "IMAGE is not a recognised image file"})
+        else:
+            self.reply(200, answer(name))
+
+    def reply(self, status, document):
+        data = json.dumps(document).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def answer(name):
+    def output(output_name, datatype, data):
+        return {"name": output_name, "datatype": datatype, "shape": [1, len(data)], "data": data}
+
+    return {"model_name": "classify_and_describe", "model_version": "1", "outputs": [
+        output("LABELS", "BYTES", ["tabby", "tiger cat"]),
+        output("SCORES", "FP32", [0.6, 0.3]),
+        output("DESCRIPTION", "BYTES", [f"described {name}"]),
+        output("DESCRIPTION_SOURCE", "BYTES", ["llm"]),
+        output("USAGE", "BYTES", [json.dumps({"total_tokens": 12, "cost_usd": 0.0})]),
+    ]}
+
+
+@pytest.fixture
+def stand_in():
+    server = StandIn()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield server
+    server.release.set()
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+@pytest.fixture
+def no_backoff(monkeypatch):
+    """Retries resend at once: the tests count resends, they do not wait for them."""
+    monkeypatch.setattr(client_module, "_backoff_s", lambda base_s, attempt: 0.0)
+
+
+@pytest.fixture
+def closed_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def write_images(directory, contents):
+    paths = []
+    for number, content in enumerate(contents):
+        path = directory / f"{number:02d}.jpg"
+        path.write_bytes(content)
+        paths.append(path)
+    return paths
+
+
+def json_lines(text):
+    return {pathlib.Path(line["image"]).name: line for line in map(json.loads, text.splitlines())}
+
+
+# ---------------------------------------------------------------- AsyncClient.infer_many
+# (a 1 s timeout: "timeout" images wait it out, the others must be answered within it)
+
+def test_infer_many_reports_each_failure_with_its_image_and_goes_on(stand_in, no_backoff):
+    images = [b"ok:first", b"drop:gone", b"timeout:slow", b"invalid:bad", b"unavailable:down",
+              b"drop-once:blip", b"unavailable-once:restart", b"ok:last"]
+
+    async def run():
+        async with AsyncClient(stand_in.url, concurrency=3, timeout_s=1.0, retries=1) as client:
+            outcomes = {index: outcome async for index, outcome in client.infer_many(images)}
+            return outcomes, client.retried
+
+    outcomes, retried = asyncio.run(run())
+    assert sorted(outcomes) == list(range(len(images)))
+    by_image = dict(zip(images, (outcomes[i] for i in range(len(images)))))
+    for image in (b"ok:first", b"ok:last", b"drop-once:blip", b"unavailable-once:restart"):
+        assert isinstance(by_image[image], Result), (image, by_image[image])
+    assert by_image[b"ok:last"].description == "described last"
+
+    gone, slow, bad, down = (by_image[i] for i in (b"drop:gone", b"timeout:slow", b"invalid:bad",
+                                                   b"unavailable:down"))
+    assert isinstance(gone, TritonRequestError) and gone.retryable and "no answer" in str(gone)
+    assert gone.__cause__ is not None  # the transport's own error, for whoever debugs it
+    assert isinstance(slow, TritonRequestError) and slow.retryable and "within 1 s" in str(slow)
+    assert isinstance(bad, TritonRequestError) and not bad.retryable
+    assert "not a recognised image" in str(bad)
+    assert isinstance(down, TritonRequestError) and down.retryable and "not ready" in str(down)
+
+    # retries=1 resent what got no answer and the 503s, but never a timeout or a 400
+    assert stand_in.attempts[b"drop:gone"] == 2 and stand_in.attempts[b"unavailable:down"] == 2
+    assert stand_in.attempts[b"drop-once:blip"] == 2
+    assert stand_in.attempts[b"timeout:slow"] == 1 and stand_in.attempts[b"invalid:bad"] == 1
+    assert retried == 4
+
+
+def test_infer_many_takes_images_only_as_the_window_frees(stand_in):
+    taken = []
+
+    def images():
+        for number in range(10):
+            taken.append(number)
+            yield f"ok:n{number}".encode()
+
+    async def run():
+        seen_when_answered = []
+        async with AsyncClient(stand_in.url, concurrency=2, timeout_s=5) as client:
+            async for index, outcome in client.infer_many(images()):
+                assert isinstance(outcome, Result)
+                seen_when_answered.append(len(taken))
+        return seen_when_answered
+
+    seen = asyncio.run(run())
+    assert len(seen) == 10 and taken == list(range(10))
+    # the k-th answer (from 1) came with at most k - 1 + 2 images taken: 2 in flight
+    assert all(count <= k + 2 for k, count in enumerate(seen)), seen
+
+
+def test_infer_many_reads_paths_and_reports_an_unreadable_one(stand_in, tmp_path):
+    good = write_images(tmp_path, [b"ok:cat"])[0]
+    missing = tmp_path / "missing.jpg"
+
+    async def run():
+        async with AsyncClient(stand_in.url, timeout_s=5) as client:
+            return dict([item async for item in client.infer_many([missing, str(good)])])
+
+    outcomes = asyncio.run(run())
+    assert isinstance(outcomes[1], Result) and outcomes[1].description == "described cat"
+    assert isinstance(outcomes[0], TritonRequestError) and not outcomes[0].retryable
+    assert "cannot read" in str(outcomes[0]) and "No such file" in str(outcomes[0])
+
+
+# ---------------------------------------------------------------- sync Client
+
+def test_sync_client_retries_unavailable_and_a_closed_connection(stand_in, no_backoff):
+    with Client(stand_in.url, timeout_s=5, retries=1) as client:
+        assert client.infer(b"unavailable-once:restart").description == "described restart"
+        assert client.retried == 1
+        # geventhttpclient resends once by itself on a closed connection, then raises
+        # HTTPConnectionClosed (an http.client.HTTPException); the client resends it too
+        with pytest.raises(http.client.HTTPException):
+            client.infer(b"drop:gone")
+        assert client.retried == 2
+        with pytest.raises(TritonRequestError) as down:
+            client.infer(b"unavailable:down")
+        assert down.value.retryable and client.retried == 3
+        with pytest.raises(TritonRequestError) as bad:
+            client.infer(b"invalid:bad")
+        assert not bad.value.retryable and client.retried == 3
