@@ -3,7 +3,16 @@
     python -m classify_describe cat.jpg coffee.png --prompt "Is it safe to eat?"
     python -m classify_describe photos/*.jpg --concurrency 16 --json > results.jsonl
 
-Exit status: 0 when every image was answered, 1 when any request failed.
+Each file is read only when its request is sent. An image that fails (the
+server refused it, no answer after the retries, a file that cannot be read) is
+reported on its own, with its error and whether sending it again may succeed
+("retryable"), and the other images go on.
+
+Exit status:
+  0  every image was answered
+  1  some images failed, each reported; the others were answered
+  2  the command line is wrong
+  3  no image got an answer: the server is down, not ready or unreachable
 """
 
 import argparse
@@ -15,10 +24,14 @@ import time
 
 from classify_describe.client import AsyncClient, TritonRequestError
 
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3  # EXIT_USAGE: argparse's
+
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m classify_describe", description=__doc__.split("\n\n")[0])
+        prog="python -m classify_describe", description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Exit status"):],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("images", nargs="+", type=pathlib.Path, metavar="IMAGE")
     parser.add_argument("--prompt", help="a question about the image (default: describe it)")
     parser.add_argument("--url", help="server address (default 127.0.0.1:8000 for http, :8001 for grpc)")
@@ -26,9 +39,14 @@ def parse_args(argv):
     parser.add_argument("--json", action="store_true", help="one JSON object per image on stdout")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--retries", type=int, default=2, metavar="N",
+                        help="resend an image that got no answer or UNAVAILABLE up to N times, "
+                             "never one that timed out (default 2)")
     args = parser.parse_args(argv)
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    if args.retries < 0:
+        parser.error("--retries must be at least 0")
     args.url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     return args
 
@@ -66,52 +84,54 @@ class Progress:
                              f"  {rate:.1f} img/s  failed {self.failed}")
             sys.stderr.flush()
 
+    def clear(self):
+        """Erase the bar before a line is printed; the next update redraws it."""
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+
     def close(self):
         if self.enabled:
             sys.stderr.write("\n")
 
 
 async def run(args):
-    images = []
-    for path in args.images:
-        try:
-            images.append(path.read_bytes())
-        except OSError as error:
-            print(f"{path}: cannot read: {error.strerror}", file=sys.stderr)
-            return 1
-    progress = Progress(len(images))
-    failures = 0
+    progress = Progress(len(args.images))
+    failures = retryable = 0
     async with AsyncClient(args.url, args.protocol, concurrency=args.concurrency,
-                           timeout_s=args.timeout) as client:
-        async for index, outcome in client.infer_many(images, args.prompt):
+                           timeout_s=args.timeout, retries=args.retries) as client:
+        # Paths, not bytes: infer_many reads each file as its request is sent.
+        async for index, outcome in client.infer_many(args.images, args.prompt):
             path = args.images[index]
             failed = isinstance(outcome, TritonRequestError)
-            failures += failed
-            progress.update(failed)
+            progress.clear()
             if failed:
+                failures += 1
+                retryable += outcome.retryable
                 if args.json:
-                    print(json.dumps({"image": str(path), "error": str(outcome)}), flush=True)
+                    print(json.dumps({"image": str(path), "error": str(outcome),
+                                      "retryable": outcome.retryable}), flush=True)
                 else:
-                    print(f"{path}: error: {outcome}", file=sys.stderr)
+                    kind = "retryable" if outcome.retryable else "not retryable"
+                    print(f"{path}: error ({kind}): {outcome}", file=sys.stderr, flush=True)
             elif args.json:
                 print(json.dumps({"image": str(path), **outcome.as_dict()}), flush=True)
             else:
-                if progress.enabled:
-                    sys.stderr.write("\r\033[K")
                 print(format_text(path, outcome), flush=True)
+            progress.update(failed)
     progress.close()
-    return 1 if failures else 0
+    if not failures:
+        return EXIT_OK
+    if retryable == len(args.images):
+        print(f"no answer from Triton at {args.url} ({args.protocol}) for any image. "
+              f"Is the server running (`make run`)? Is it ready "
+              f"(curl http://<host>:8000/v2/health/ready)?", file=sys.stderr)
+        return EXIT_NO_ANSWER
+    return EXIT_SOME_FAILED
 
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return asyncio.run(run(args))
-    except (ConnectionError, OSError) as error:
-        print(f"cannot reach Triton at {args.url} ({args.protocol}): {error}. "
-              f"Is the server running (`make run`)? Is it ready "
-              f"(curl http://<host>:8000/v2/health/ready)?", file=sys.stderr)
-        return 2
+    return asyncio.run(run(args))
 
 
 if __name__ == "__main__":

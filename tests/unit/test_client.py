@@ -20,6 +20,7 @@ import threading
 import pytest
 
 from classify_describe import AsyncClient, Client, Result, TritonRequestError
+from classify_describe import __main__ as cli
 from classify_describe import client as client_module
 
 IMAGE_PATTERN = re.compile(rb"(ok|drop|timeout|unavailable|invalid)(-once)?:(\w+)")
@@ -220,3 +221,60 @@ def test_sync_client_retries_unavailable_and_a_closed_connection(stand_in, no_ba
         with pytest.raises(TritonRequestError) as bad:
             client.infer(b"invalid:bad")
         assert not bad.value.retryable and client.retried == 3
+
+
+# ---------------------------------------------------------------- command line
+
+def test_cli_reports_each_failed_image_and_the_others_go_on(stand_in, no_backoff, tmp_path, capsys):
+    paths = write_images(tmp_path, [b"ok:a", b"timeout:t", b"drop:d", b"invalid:i", b"ok:b",
+                                    b"drop-once:blip"])
+    missing = tmp_path / "missing.jpg"
+    argv = ["--url", stand_in.url, "--json", "--timeout", "1", "--concurrency", "2"]
+    code = cli.main(argv + [str(p) for p in paths[:3]] + [str(missing)] + [str(p) for p in paths[3:]])
+
+    out = capsys.readouterr().out
+    lines = json_lines(out)
+    assert code == 1, out
+    assert sorted(lines) == sorted([p.name for p in paths] + ["missing.jpg"])
+    for name in ("00.jpg", "04.jpg", "05.jpg"):
+        assert lines[name]["labels"] == ["tabby", "tiger cat"], lines[name]
+    assert lines["01.jpg"]["retryable"] is True and "timed out" in lines["01.jpg"]["error"]
+    assert lines["02.jpg"]["retryable"] is True and "no answer" in lines["02.jpg"]["error"]
+    assert lines["03.jpg"]["retryable"] is False and "not a recognised" in lines["03.jpg"]["error"]
+    assert lines["missing.jpg"]["retryable"] is False and "cannot read" in lines["missing.jpg"]["error"]
+    # the default --retries 2 resent the dropped image, never the timed-out one
+    assert stand_in.attempts[b"drop:d"] == 3 and stand_in.attempts[b"timeout:t"] == 1
+    assert cli.EXIT_SOME_FAILED == 1
+
+
+def test_cli_retries_option(stand_in, no_backoff, tmp_path, capsys):
+    paths = write_images(tmp_path, [b"drop-once:blip", b"ok:a"])
+    assert cli.main(["--url", stand_in.url, "--json", "--retries", "0"] + [str(p) for p in paths]) == 1
+    assert json_lines(capsys.readouterr().out)["00.jpg"]["retryable"] is True
+    assert stand_in.attempts[b"drop-once:blip"] == 1
+
+
+def test_cli_reads_each_image_only_when_it_is_sent(stand_in, tmp_path, monkeypatch, capsys):
+    paths = write_images(tmp_path, [f"ok:n{number}".encode() for number in range(12)])
+    reads = []
+    read_bytes = pathlib.Path.read_bytes
+    monkeypatch.setattr(pathlib.Path, "read_bytes", lambda self: reads.append(self) or read_bytes(self))
+    stand_in.on_arrival = lambda: len(reads)
+
+    code = cli.main(["--url", stand_in.url, "--json", "--concurrency", "2"] + [str(p) for p in paths])
+    assert code == 0
+    assert len(json_lines(capsys.readouterr().out)) == 12 and len(reads) == 12
+    # request k (from 0) arrived with at most k + 2 files read: 2 in flight, none read ahead
+    assert all(count <= k + 2 for k, count in enumerate(stand_in.arrivals)), stand_in.arrivals
+    assert cli.EXIT_OK == 0
+
+
+def test_cli_exit_code_when_no_image_gets_an_answer(closed_port, no_backoff, tmp_path, capsys):
+    paths = write_images(tmp_path, [b"ok:a", b"ok:b"])
+    code = cli.main(["--url", f"127.0.0.1:{closed_port}"] + [str(p) for p in paths])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    for path in paths:
+        assert f"{path}: error (retryable): no answer" in err
+    assert "Is the server running" in err
+    assert cli.EXIT_NO_ANSWER == 3
