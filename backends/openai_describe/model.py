@@ -143,7 +143,13 @@ class TritonPythonModel:
                 response = _error_response(f"the LLM upstream could not answer ({failed[0]})",
                                            pb_utils.TritonError.UNAVAILABLE)
             else:
+                # LABELS and SCORES pass through: every output of the ensemble then comes
+                # from this step, which is what makes output selection work (see
+                # docs/troubleshooting.md#asking-for-some-of-the-outputs).
                 response = pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels] for job in jobs],
+                                                       dtype=np.object_)),
+                    pb_utils.Tensor("SCORES", np.array([job.scores for job in jobs], dtype=np.float32)),
                     _bytes_tensor("DESCRIPTION", [r.description for r in results]),
                     _bytes_tensor("DESCRIPTION_SOURCE", [r.source for r in results]),
                     _bytes_tensor("USAGE", [r.usage.to_json() for r in results]),

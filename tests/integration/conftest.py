@@ -74,3 +74,16 @@ def photos():
 
     data_dir = pathlib.Path(skimage.data.__file__).parent
     return {name: (data_dir / f"{name}.png").read_bytes() for name in ("chelsea", "coffee")}
+
+
+@pytest.fixture(scope="session")
+def valid_requests(triton, photos):
+    """A valid request for every public model (tests/integration/public_models.py)."""
+    import uuid
+
+    from .public_models import ValidRequests
+    from .raw_infer import bytes_tensor, http_infer
+
+    answer = http_infer(triton.http_url, "preprocess", [bytes_tensor("IMAGE", [[photos["coffee"]]])])
+    assert answer.ok, answer.message
+    return ValidRequests(photos["coffee"], answer.outputs["PIXELS"], f"What is it? ({uuid.uuid4().hex[:8]})")

@@ -1,0 +1,68 @@
+"""Every model a client can reach, with a valid request for each and a check of
+its answer. Tests that promise something "for every model" iterate over
+MODELS; test_every_model_of_the_repository_is_listed keeps the list complete
+when a model is added to model_repository/."""
+
+import pathlib
+import struct
+
+import numpy as np
+
+from .raw_infer import bytes_tensor, fp32_tensor
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+MODELS = ("classify_and_describe", "classify", "preprocess", "classifier", "describe")
+COFFEE_TOP1 = b"espresso"
+
+
+def repository_models():
+    return sorted(p.parent.name for p in (REPO / "model_repository").glob("*/config.pbtxt"))
+
+
+class ValidRequests:
+    """Valid inputs for each model, built from one real photo (the coffee cup);
+    `pixels` comes from the server's own preprocess, so the classifier is fed
+    what the ensemble feeds it."""
+
+    def __init__(self, coffee_png, pixels, prompt):
+        self.coffee = coffee_png
+        self.pixels = pixels
+        self.prompt = prompt.encode()
+
+    def inputs(self, model):
+        image = bytes_tensor("IMAGE", [[self.coffee]])
+        if model == "classify_and_describe":
+            return [image, bytes_tensor("PROMPT", [[self.prompt]])]
+        if model in ("classify", "preprocess"):
+            return [image]
+        if model == "classifier":
+            return [fp32_tensor("PIXELS", self.pixels)]
+        if model == "describe":
+            return [bytes_tensor("LABELS", [[COFFEE_TOP1, b"cup", b"coffee mug"]]),
+                    fp32_tensor("SCORES", [[0.9, 0.05, 0.02]]),
+                    bytes_tensor("PROMPT", [[self.prompt]])]
+        raise KeyError(model)
+
+    def check(self, model, outputs):
+        """A list of what is wrong with a full answer of `model` (empty: correct)."""
+        problems = []
+        if "PIXELS" in outputs and not np.array_equal(outputs["PIXELS"], self.pixels):
+            problems.append("PIXELS differ from the reference decode")
+        if "LABELS" in outputs:
+            labels = outputs["LABELS"]
+            if labels.shape[-1] == 0 or labels.reshape(-1)[0] != COFFEE_TOP1:
+                problems.append(f"LABELS {labels.tolist()[:1]} do not start with {COFFEE_TOP1!r}")
+        if "SCORES" in outputs:
+            scores = outputs["SCORES"].reshape(-1)
+            if not (np.all(np.isfinite(scores)) and np.all(np.diff(scores) <= 0) and 0 < scores[0] <= 1):
+                problems.append(f"SCORES {scores.tolist()} are not sorted probabilities")
+        if "DESCRIPTION_SOURCE" in outputs and outputs["DESCRIPTION_SOURCE"].reshape(-1)[0] != b"llm":
+            problems.append(f"DESCRIPTION_SOURCE {outputs['DESCRIPTION_SOURCE'].reshape(-1)[0]!r}")
+        if "DESCRIPTION" in outputs and not outputs["DESCRIPTION"].reshape(-1)[0].startswith(b"Fake answer #"):
+            problems.append(f"DESCRIPTION {outputs['DESCRIPTION'].reshape(-1)[0][:60]!r}")
+        return problems
+
+
+def lying_bytes(length_claimed=0x7FFFFFFF, actual=b"abcd"):
+    """One BYTES element whose 4-byte length prefix claims more than follows."""
+    return struct.pack("<I", length_claimed) + actual
