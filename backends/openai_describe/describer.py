@@ -98,6 +98,14 @@ class Describer:
             return self._fallback(job, Usage(job.model), "no_api_key")
 
         usage = Usage(job.model)
+        try:
+            return await self._attempts(job, messages, key, usage, is_cancelled)
+        except Cancelled:
+            # No USAGE goes back, but what earlier attempts were billed still counts.
+            self.observer.request_done(job.model, "cancelled", usage)
+            raise
+
+    async def _attempts(self, job, messages, key, usage, is_cancelled):
         breaker = self._breaker(job.model)
         deadline = self._clock() + self.settings.total_timeout_s
         while True:
@@ -123,6 +131,7 @@ class Describer:
             started = self._clock()
             try:
                 response = await self._call(job, messages, timeout, is_cancelled)
+                self._bill(job, usage, response)  # an answer we cannot use is billed all the same
                 text = _answer_text(response)
             except Cancelled:
                 breaker.release(ticket)
@@ -137,10 +146,6 @@ class Describer:
 
             if failure is None:
                 breaker.record_success(ticket)
-                prompt_tokens, completion_tokens = tokens_from(getattr(response, "usage", None))
-                usage.prompt_tokens, usage.completion_tokens = prompt_tokens, completion_tokens
-                usage.total_tokens = prompt_tokens + completion_tokens
-                usage.cost_usd = cost_usd(prompt_tokens, completion_tokens, *self.settings.prices_for(job.model))
                 if key is not None:
                     self.cache.put(key, text)
                 outcome = "ok" if usage.attempts == 1 else "retried"
@@ -247,6 +252,13 @@ class Describer:
         self._warn_rate_limited(failure.reason, f"upstream attempt failed ({failure.reason}): "
                                 f"{type(exc).__name__}: {self.scrub(exc)}")
         return failure
+
+    def _bill(self, job, usage, response):
+        prompt_tokens, completion_tokens = tokens_from(getattr(response, "usage", None))
+        usage.prompt_tokens += prompt_tokens
+        usage.completion_tokens += completion_tokens
+        usage.total_tokens += prompt_tokens + completion_tokens
+        usage.cost_usd += cost_usd(prompt_tokens, completion_tokens, *self.settings.prices_for(job.model))
 
     def _fallback(self, job, usage, reason):
         usage.fallback_reason = reason

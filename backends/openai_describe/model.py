@@ -154,8 +154,7 @@ class TritonPythonModel:
                     _bytes_tensor("DESCRIPTION_SOURCE", [r.source for r in results]),
                     _bytes_tensor("USAGE", [r.usage.to_json() for r in results]),
                 ])
-        except Cancelled:
-            self.metrics.request_done(None, "cancelled", None)
+        except Cancelled:  # counted by the describer, with what it had billed
             response = _error_response("request cancelled", pb_utils.TritonError.CANCELLED)
         except asyncio.CancelledError:
             response = _error_response("the model is unloading", pb_utils.TritonError.UNAVAILABLE)

@@ -25,9 +25,11 @@ FAST = {"timeout_s": "2", "backoff_base_s": "0.01", "backoff_max_s": "0.05", "ca
 class Recorder(Observer):
     def __init__(self):
         self.outcomes, self.attempts, self.max_in_flight, self.cache_hits = [], [], 0, 0
+        self.usages = []
 
     def request_done(self, model, outcome, usage):
         self.outcomes.append(outcome)
+        self.usages.append(usage)
 
     def attempt_done(self, model, latency_s, reason):
         self.attempts.append(reason)
@@ -329,3 +331,37 @@ def test_half_open_lets_one_probe_through_even_when_an_older_call_ends():
         client.calls[2].set_result(completion("A tabby.", 10, 3))
         assert (await probe).source == "llm"  # the probe's verdict closes the circuit
     scripted(test, circuit_failure_threshold="1", circuit_cooldown_s="0.05", max_attempts="1")
+
+
+def test_a_billed_empty_answer_counts_in_usage_and_metrics():
+    async def test(client, d, obs):
+        task = asyncio.create_task(d.describe(job()))
+        await until(lambda: len(client.calls) == 1)
+        client.calls[0].set_result(completion("", 50, 7))  # HTTP 200, billed, no text
+        await until(lambda: len(client.calls) == 2)
+        client.calls[1].set_result(completion("A tabby.", 50, 3))
+        r = await task
+        assert r.outcome == "retried" and r.usage.attempts == 2
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (100, 10, 110)
+        assert r.usage.cost_usd == pytest.approx((100 * 0.15 + 10 * 0.60) / 1e6)
+        assert obs.usages[-1].total_tokens == 110  # what the metrics add up
+
+        task = asyncio.create_task(d.describe(job("only empty answers")))
+        for n in (3, 4, 5):
+            await until(lambda: len(client.calls) == n)
+            client.calls[-1].set_result(completion("  ", 40, 2))
+        r = await task
+        assert r.source == "fallback" and r.usage.fallback_reason == "malformed_response"
+        assert r.usage.total_tokens == 126 and obs.usages[-1].total_tokens == 126
+
+        cancelled = []
+        task = asyncio.create_task(d.describe(job("cancelled after an empty answer"),
+                                              is_cancelled=lambda: bool(cancelled)))
+        await until(lambda: len(client.calls) == 6)
+        client.calls[-1].set_result(completion("", 40, 2))
+        await until(lambda: len(client.calls) == 7)
+        cancelled.append(True)
+        with pytest.raises(Cancelled):
+            await task
+        assert obs.outcomes[-1] == "cancelled" and obs.usages[-1].total_tokens == 42
+    scripted(test, circuit_failure_threshold="100")
