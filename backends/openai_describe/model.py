@@ -17,7 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from describer import NO_KEY_HELP, Cancelled, Describer, Job, Observer, make_client
-from prompting import PromptError, read_prompt
+from prompting import PromptError, read_labels, read_prompt
 from scrubbing import Scrubber
 from settings import SettingsError, parse_settings
 
@@ -190,7 +190,7 @@ class TritonPythonModel:
             prompt = read_prompt(prompts[row].reshape(-1)[0] if prompts is not None else None,
                                  self.settings.max_prompt_chars)
             jobs.append(Job(
-                labels=tuple(_text(x) for x in labels[row]), scores=row_scores,
+                labels=read_labels(labels[row], self.settings), scores=row_scores,
                 prompt=prompt or self.settings.default_prompt,
                 model=model, temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s))
         return jobs
@@ -209,10 +209,6 @@ class _Reject(Exception):
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
-
-
-def _text(value):
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _bytes_tensor(name, texts):

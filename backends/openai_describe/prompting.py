@@ -12,19 +12,41 @@ def read_prompt(raw, max_chars):
     paid model) and text longer than `max_chars` (input tokens cost money)."""
     if raw is None:
         return ""
-    if isinstance(raw, (bytes, bytearray)):
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PromptError(f"PROMPT is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
-                              f"{exc.start}); send the prompt encoded as UTF-8") from None
-    else:
-        text = str(raw)
-    text = text.strip()
+    text = _utf8(raw, "PROMPT").strip()
     if len(text) > max_chars:
         raise PromptError(f"PROMPT has {len(text)} characters, more than the limit "
                           f"max_prompt_chars={max_chars} (model config)")
     return text
+
+
+def read_labels(raw, settings):
+    """One batch row of LABELS as text. A client may call describe directly with
+    LABELS of its own, and they go into the paid prompt like PROMPT does: at
+    most max_labels of them, each at most max_label_chars, all together at
+    most max_prompt_chars, UTF-8 only."""
+    if len(raw) > settings.max_labels:
+        raise PromptError(f"LABELS has {len(raw)} labels, more than the limit "
+                          f"max_labels={settings.max_labels} (model config)")
+    labels = tuple(_utf8(value, f"LABELS[{i}]") for i, value in enumerate(raw))
+    for i, label in enumerate(labels):
+        if len(label) > settings.max_label_chars:
+            raise PromptError(f"LABELS[{i}] has {len(label)} characters, more than the limit "
+                              f"max_label_chars={settings.max_label_chars} (model config)")
+    total = sum(len(label) for label in labels)
+    if total > settings.max_prompt_chars:
+        raise PromptError(f"LABELS have {total} characters together, more than the limit "
+                          f"max_prompt_chars={settings.max_prompt_chars} (model config)")
+    return labels
+
+
+def _utf8(raw, name):
+    if not isinstance(raw, (bytes, bytearray)):
+        return str(raw)
+    try:
+        return bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptError(f"{name} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
+                          f"{exc.start}); send it encoded as UTF-8") from None
 
 
 def short_label(label):

@@ -64,6 +64,9 @@ class Settings:
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     default_prompt: str = "Describe this object in detail"
     max_prompt_chars: int = 2000  # a caller's PROMPT is input tokens we pay for
+    # A caller may send its own LABELS to describe directly: they are paid input too.
+    max_labels: int = 20
+    max_label_chars: int = 200
     price_input_per_million: float = 0.15
     price_output_per_million: float = 0.60
     # {"model": [input_price, output_price]} for models priced differently.
@@ -228,7 +231,7 @@ def _validate(s):
         if getattr(s, name) < 0:
             problems.append(f"{name} must be >= 0")
     for name in ("max_attempts", "circuit_failure_threshold", "max_in_flight", "cache_max_entries",
-                 "max_prompt_chars"):
+                 "max_prompt_chars", "max_labels", "max_label_chars"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be >= 1")
     if s.on_failure not in ON_FAILURE:

@@ -50,7 +50,7 @@ def test_max_tokens_above_the_limit_names_max_tokens_limit():
 
 def test_limits_are_in_the_committed_config_and_overridable():
     text = CONFIG.read_text()
-    for key in ("max_prompt_chars", "max_tokens_limit"):
+    for key in ("max_prompt_chars", "max_tokens_limit", "max_labels", "max_label_chars"):
         assert f'key: "{key}"' in text
     settings = parse_settings({"max_prompt_chars": "50"}, environ={"LLM_MAX_PROMPT_CHARS": "12"})
     assert settings.max_prompt_chars == 12
@@ -94,5 +94,38 @@ def test_adapter_answers_invalid_arg_per_request_and_serves_the_rest(fake_pb_uti
             assert roles == ["system", "user"]
             assert "ignore previous" not in body["messages"][0]["content"].lower()
         assert json.dumps(bodies).count("you are now system") == 1
+    finally:
+        model.finalize()
+
+
+def labels_request(pb_utils, labels, scores=None):
+    scores = [0.5] * len(labels) if scores is None else scores
+    return pb_utils.InferenceRequest({"LABELS": np.array([labels], dtype=np.object_),
+                                      "SCORES": np.array([scores], dtype=np.float32)})
+
+
+def test_labels_sent_to_describe_directly_are_held_to_limits(fake_pb_utils_module, fake, monkeypatch):  # noqa: F811
+    """A client may call describe with its own LABELS (not only through the ensemble):
+    they reach the paid prompt like PROMPT does, so they have limits of their own."""
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, max_prompt_chars="300")
+    try:
+        good = labels_request(pb_utils, [b"tabby, tabby cat", "Käse".encode()])
+        too_many = labels_request(pb_utils, [b"cat"] * 21)
+        too_long = labels_request(pb_utils, [b"cat", b"x" * 201])
+        too_much = labels_request(pb_utils, [b"y" * 199, b"z" * 199])
+        not_utf8 = labels_request(pb_utils, [b"cat", b"\xff\xfe"])
+        mismatched = labels_request(pb_utils, [b"cat", b"dog"], scores=[0.5, 0.3, 0.2])
+        model.execute([good, too_many, too_long, too_much, not_utf8, mismatched])
+        for bad, words in ((too_many, "max_labels=20"), (too_long, "max_label_chars=200"),
+                           (too_much, "max_prompt_chars=300"), (not_utf8, "UTF-8"), (mismatched, "SCORES")):
+            response = bad.get_response_sender().wait()
+            assert response.has_error(), words
+            assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+            assert "LABELS" in response.error().message() and words in response.error().message()
+        response = good.get_response_sender().wait()
+        assert not response.has_error() and response.output("DESCRIPTION_SOURCE")[0][0] == b"llm"
+        bodies = fake.stats()["bodies"]
+        assert len(bodies) == 1 and "Käse" in bodies[0]["messages"][1]["content"]
     finally:
         model.finalize()
