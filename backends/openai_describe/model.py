@@ -19,7 +19,7 @@ import triton_python_backend_utils as pb_utils
 from describer import NO_KEY_HELP, Cancelled, Describer, Job, Observer, make_client
 from prompting import PromptError, read_labels, read_prompt
 from scrubbing import Scrubber
-from settings import SettingsError, parse_settings
+from settings import RequestModels, SettingsError, parse_settings
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 OUTCOMES = ("ok", "retried", "cached", "fallback", "error", "cancelled", "invalid")
@@ -47,6 +47,7 @@ class TritonPythonModel:
         except SettingsError as exc:
             raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
         s = self.settings
+        self.request_models = RequestModels(s)
 
         api_key, key_source = s.load_api_key(os.environ)
         self.scrub = Scrubber(api_key)
@@ -193,6 +194,8 @@ class TritonPythonModel:
                 labels=read_labels(labels[row], self.settings), scores=row_scores,
                 prompt=prompt or self.settings.default_prompt,
                 model=model, temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s))
+        # Last, so that a request refused for another reason takes no place under the cap.
+        self.request_models.admit(model)
         return jobs
 
     def _send_error(self, request, message, code):

@@ -43,6 +43,8 @@ class Settings:
     # Comma-separated glob patterns a request may pick with the `model`
     # parameter; the default model is always allowed.
     allowed_models: tuple = ()
+    # How many distinct models requests may pick besides the default (see RequestModels).
+    max_request_models: int = 32
     max_tokens: int = 256
     max_tokens_limit: int = 1024
     temperature: float = 0.2
@@ -128,6 +130,33 @@ class Settings:
             return key or None, f"file {self.api_key_file}"
         env_name = self.api_key_env or self.env_prefix + "API_KEY"
         return environ.get(env_name, "").strip() or None, f"environment variable {env_name}"
+
+
+class RequestModels:
+    """The models requests have picked with the `model` parameter, at most
+    `max_request_models` besides the default one.
+
+    Each upstream model gets its own circuit breaker and metric series, so the
+    names a glob in allowed_models lets through (gpt-4o-mini-1, -2, ...) must
+    not grow them without bound. A name beyond the cap is refused; names once
+    admitted stay admitted, since their breaker and series live as long as the
+    model. Used from the model thread only (execute).
+    """
+
+    def __init__(self, settings):
+        self.settings = settings
+        self._admitted = set()
+
+    def admit(self, model):
+        if model == self.settings.model or model in self._admitted:
+            return
+        limit = self.settings.max_request_models
+        if len(self._admitted) >= limit:
+            raise SettingsError(
+                f"model '{model}' is refused: requests have already picked {limit} other models "
+                f"(max_request_models={limit} in the model config); use one of those or the default "
+                f"'{self.settings.model}'")
+        self._admitted.add(model)
 
 
 def _number(params, name, default):
@@ -234,6 +263,8 @@ def _validate(s):
                  "max_prompt_chars", "max_labels", "max_label_chars"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be >= 1")
+    if s.max_request_models < 0:
+        problems.append("max_request_models must be >= 0")
     if s.on_failure not in ON_FAILURE:
         problems.append(f"on_failure must be one of {ON_FAILURE}")
     try:

@@ -50,7 +50,7 @@ def test_max_tokens_above_the_limit_names_max_tokens_limit():
 
 def test_limits_are_in_the_committed_config_and_overridable():
     text = CONFIG.read_text()
-    for key in ("max_prompt_chars", "max_tokens_limit", "max_labels", "max_label_chars"):
+    for key in ("max_prompt_chars", "max_tokens_limit", "max_labels", "max_label_chars", "max_request_models"):
         assert f'key: "{key}"' in text
     settings = parse_settings({"max_prompt_chars": "50"}, environ={"LLM_MAX_PROMPT_CHARS": "12"})
     assert settings.max_prompt_chars == 12

@@ -222,3 +222,33 @@ def test_a_decoupled_config_is_refused_at_load(fake_pb_utils_module, monkeypatch
     with pytest.raises(pb_utils.TritonModelException, match="non-decoupled"):
         load_model_module().TritonPythonModel().initialize(
             {"model_config": json.dumps(config), "model_name": "describe", "model_version": "1"})
+
+
+def test_request_chosen_models_are_capped(fake_pb_utils_module, fake, monkeypatch):
+    """Each upstream model has its own circuit breaker and metric series: a client
+    cycling through names that match allowed_models (gpt-4o-mini-1, -2, ...) must
+    not grow them without bound. Beyond the cap a new name is refused for that
+    request alone; names already tracked and the default model keep working."""
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, allowed_models="gpt-4o-mini*", cache_enabled="false")
+    try:
+        hostile = [request(pb_utils, parameters={"model": f"gpt-4o-mini-{i}"}) for i in range(100)]
+        model.execute(hostile)
+        refused = [r for r in hostile if r.get_response_sender().wait().has_error()]
+        assert refused, "every distinct model name was tracked"
+        for r in refused:
+            error = r.get_response_sender().wait().error()
+            assert error.code() == pb_utils.TritonError.INVALID_ARG
+            assert "max_request_models" in error.message()
+        served = len(hostile) - len(refused)
+        assert served == model.settings.max_request_models
+
+        again, default = request(pb_utils, parameters={"model": "gpt-4o-mini-0"}), request(pb_utils)
+        model.execute([again, default])
+        for r in (again, default):
+            assert outputs(r.get_response_sender().wait())["DESCRIPTION_SOURCE"] == "llm"
+        model.metrics.flush()
+        circuits = pb_utils.MetricFamily.families["describe_circuit_state"].metrics
+        assert len({m.labels["upstream_model"] for m in circuits}) <= served + 1
+    finally:
+        model.finalize()
