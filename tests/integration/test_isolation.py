@@ -1,0 +1,208 @@
+"""A bad request fails alone, for every public model, every input and both
+protocols: malformed requests (lying BYTES lengths, stray or missing bytes,
+the wrong datatype or shape, empty, oversized, not UTF-8, not finite, too
+many rows) are sent among valid ones at a concurrency where the classifier
+forms batches. Every valid request must get its correct answer, every
+malformed one a 400 / INVALID_ARGUMENT that names what is wrong, and the
+server must stay ready with bounded memory.
+
+Cases are listed per input type, not per test that once failed, so a model
+or input added to MODELS gets the whole class (docs/troubleshooting.md#one-bad-request-fails-its-neighbours).
+"""
+
+import collections
+import struct
+import threading
+import time
+import zlib
+
+import pytest
+
+from scripts.local_stack import process_tree, rss_mb
+
+from .public_models import MODELS, lying_bytes
+from .raw_infer import GrpcInfer, Tensor, http_infer
+
+VALID_THREADS = 6
+MALFORMED_THREADS = 2
+SENDS_PER_CASE = 2  # at least; malformed requests go on until MIN_VALID valid ones were answered
+MIN_VALID = 60
+DEADLINE_S = 90
+RSS_GROWTH_LIMIT_MB = 400
+
+BYTES_INPUTS = {  # model -> its client-supplied BYTES inputs
+    "classify_and_describe": ("IMAGE", "PROMPT"),
+    "classify": ("IMAGE",),
+    "preprocess": ("IMAGE",),
+    "describe": ("LABELS", "PROMPT"),
+    "classifier": (),
+}
+FP32_INPUTS = {"classifier": ("PIXELS",), "describe": ("SCORES",)}
+
+
+def element(data):
+    return struct.pack("<I", len(data)) + data
+
+
+def png_header(width, height):
+    """The first bytes of a PNG that claims width x height pixels: a
+    decompression bomb has to be refused from its header."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = b"IHDR" + ihdr
+    return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
+
+
+def bytes_cases(name, valid):
+    """(case, malformed tensor, text the error must contain) for one BYTES input."""
+    shape, raw = valid.shape, valid.raw
+    count = shape[0] * shape[1]
+    first = struct.unpack_from("<I", raw)[0]
+    cases = [
+        ("lying_length", Tensor(name, "BYTES", shape, lying_bytes() + raw[4 + first:]), name),
+        ("stray_bytes", Tensor(name, "BYTES", shape, raw + b"\x01\x02\x03"), name),
+        ("extra_element", Tensor(name, "BYTES", shape, raw + element(b"extra")), name),
+        ("empty_body", Tensor(name, "BYTES", shape, b""), name),
+        ("wrong_datatype", Tensor(name, "INT32", shape, b"\x00" * 4 * count), name),
+        ("wrong_rank", Tensor(name, "BYTES", [1, 1, count], raw), name),
+        ("batch_above_max", Tensor(name, "BYTES", [9, 1], element(b"x") * 9), "batch"),
+    ]
+    if name == "IMAGE":
+        cases += [
+            ("not_an_image", Tensor(name, "BYTES", shape, element(b"hello, not a photo")), name),
+            ("empty_element", Tensor(name, "BYTES", shape, element(b"")), name),
+            ("decompression_bomb", Tensor(name, "BYTES", shape, element(png_header(100_000, 100_000))), name),
+            ("wrong_shape", Tensor(name, "BYTES", [1, 2], element(b"a") + element(b"b")), name),
+        ]
+    else:  # text: PROMPT, LABELS
+        cases += [
+            ("not_utf8", Tensor(name, "BYTES", shape, element(b"\xff\xfe caf\xe9") * count), name),
+            ("oversized", Tensor(name, "BYTES", shape, element(b"x" * 100_000) * count), name),
+        ]
+        if name == "PROMPT":
+            cases.append(("wrong_shape", Tensor(name, "BYTES", [1, 2], element(b"a") + element(b"b")), name))
+        else:  # LABELS: any count per row, up to a limit
+            cases.append(("too_many_labels", Tensor(name, "BYTES", [1, 1000], element(b"cup") * 1000), name))
+    return cases
+
+
+def fp32_cases(name, valid):
+    shape, raw = valid.shape, valid.raw
+    nan = struct.pack("<f", float("nan"))
+    cases = [
+        ("short_body", Tensor(name, "FP32", shape, raw[:-4]), name),
+        ("long_body", Tensor(name, "FP32", shape, raw + b"\x00" * 4), name),
+        ("empty_body", Tensor(name, "FP32", shape, b""), name),
+        ("wrong_datatype", Tensor(name, "FP64", shape, raw + raw), name),
+        ("not_finite", Tensor(name, "FP32", shape, nan + raw[4:]), name),
+    ]
+    if name == "PIXELS":
+        cases.append(("wrong_shape", Tensor(name, "FP32", [1, 3, 224, 225], b"\x00" * 4 * 3 * 224 * 225), name))
+    else:  # SCORES must match LABELS
+        cases.append(("wrong_shape", Tensor(name, "FP32", [1, 2], raw[:8]), name))
+    return cases
+
+
+def malformed_requests(model, valid_requests):
+    """Every malformed variant of the model's valid request: one input spoiled at a time."""
+    inputs = valid_requests.inputs(model)
+    requests = []
+    for index, tensor in enumerate(inputs):
+        if tensor.name in BYTES_INPUTS[model]:
+            cases = bytes_cases(tensor.name, tensor)
+        elif tensor.name in FP32_INPUTS.get(model, ()):
+            cases = fp32_cases(tensor.name, tensor)
+        else:
+            raise AssertionError(f"{model}: no malformed cases for input {tensor.name}")
+        for case, bad, expect in cases:
+            requests.append((f"{tensor.name}:{case}", inputs[:index] + [bad] + inputs[index + 1:], expect))
+    return requests
+
+
+def classifier_batches(server):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/classifier/stats", timeout=30) as r:
+        stats = json.loads(r.read())["model_stats"][0]
+    return sum(b["compute_infer"]["count"] for b in stats["batch_stats"] if b["batch_size"] > 1)
+
+
+@pytest.fixture(scope="module")
+def memory(triton):
+    """The server's RSS (all processes) before and after the module."""
+    readings = [sum(rss_mb(pid) or 0 for pid in process_tree(triton.process.pid))]
+    yield readings
+    readings.append(sum(rss_mb(pid) or 0 for pid in process_tree(triton.process.pid)))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("model", MODELS)
+def test_a_bad_request_fails_alone(triton, valid_requests, memory, model, protocol):
+    grpc = GrpcInfer(triton.grpc_url)
+
+    def send(tensors):
+        if protocol == "http":
+            return http_infer(triton.http_url, model, tensors)
+        return grpc(model, tensors)
+
+    malformed = malformed_requests(model, valid_requests)
+    next_case = iter(range(10**9))
+    lock = threading.Lock()
+    valid_wrong, bad_wrong, counts = [], {}, collections.Counter()
+    valid_done = threading.Event()
+    deadline = time.monotonic() + DEADLINE_S
+
+    def valid_sender():
+        while not valid_done.is_set() and time.monotonic() < deadline:
+            answer = send(valid_requests.inputs(model))
+            problems = [f"{answer.code}: {answer.message[:200]}"] if not answer.ok \
+                else valid_requests.check(model, answer.outputs)
+            with lock:
+                counts["valid"] += 1
+                if problems:
+                    valid_wrong.append(problems)
+
+    def malformed_sender():
+        # Round-robin over the cases for as long as valid traffic flows, so
+        # malformed requests land among valid ones all the way through.
+        while time.monotonic() < deadline:
+            with lock:
+                index = next(next_case)
+                if index >= len(malformed) * SENDS_PER_CASE and counts["valid"] >= MIN_VALID:
+                    return
+            case, tensors, expect = malformed[index % len(malformed)]
+            answer = send(tensors)
+            with lock:
+                counts["malformed"] += 1
+            if answer.ok or not answer.invalid_argument or expect.lower() not in answer.message.lower():
+                bad_wrong[case] = "answered" if answer.ok else f"{answer.code}: {answer.message[:200]}"
+
+    valid_threads = [threading.Thread(target=valid_sender) for _ in range(VALID_THREADS)]
+    bad_threads = [threading.Thread(target=malformed_sender) for _ in range(MALFORMED_THREADS)]
+    try:
+        for thread in valid_threads + bad_threads:
+            thread.start()
+        for thread in bad_threads:
+            thread.join(DEADLINE_S + 30)
+        valid_done.set()
+        for thread in valid_threads:
+            thread.join(DEADLINE_S + 30)
+    finally:
+        valid_done.set()
+        grpc.close()
+    print(f"\n{model}/{protocol}: {dict(counts)} ({len(malformed)} malformed cases)")
+    assert counts["malformed"] >= len(malformed) * SENDS_PER_CASE and counts["valid"] >= MIN_VALID, \
+        f"ran out of time: {dict(counts)}"
+    assert bad_wrong == {}, f"malformed requests not refused as invalid, naming the input: {bad_wrong}"
+    assert valid_wrong == [], \
+        f"{len(valid_wrong)} of {counts['valid']} valid requests failed beside malformed ones: {valid_wrong[:3]}"
+    assert triton.is_ready()
+
+
+def test_batches_formed_and_memory_stayed_bounded(triton, memory):
+    """Runs after the isolation tests (pytest keeps file order): the classifier,
+    the one model that batches, did batch during them, and the server's memory
+    did not grow without bound."""
+    assert classifier_batches(triton) > 0
+    after = sum(rss_mb(pid) or 0 for pid in process_tree(triton.process.pid))
+    assert after - memory[0] < RSS_GROWTH_LIMIT_MB, f"RSS {memory[0]:.0f} -> {after:.0f} MB"
