@@ -45,6 +45,7 @@ help:
 	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
+	@echo "make overload       10x the saturating load: fast refusals, bounded latency, nothing lost"
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
@@ -135,3 +136,11 @@ bench-quick: build perf-analyzer
 .PHONY: soak
 soak: build
 	$(PY) scripts/soak.py $(SOAK_ARGS)
+
+# Overload (docs/reliability.md#overload): fake LLM + one server on loopback free
+# ports, 8 users then 80 with client-style back-off; fails unless the excess is
+# refused fast, admitted latency stays bounded and nothing is lost.
+#   make overload OVERLOAD_ARGS="--phase-s 60 --llm-latency-ms 1000 --saturation 48"
+.PHONY: overload
+overload: build
+	$(PY) scripts/overload.py --results $(BUILD)/overload/results.json $(OVERLOAD_ARGS)

@@ -1,0 +1,151 @@
+"""Bounded overload run (`make overload`; docs/reliability.md#overload).
+
+Keeps `--saturation` virtual users sending classify_and_describe requests over
+gRPC for `--phase-s` seconds, then `--factor` times as many. Each user waits
+for its answer; on UNAVAILABLE (a queue policy refused it) it backs off the
+way classify_describe's clients do (exponential with full jitter) and sends
+again. Per attempt it records: admitted (answered) latency, rejection latency,
+or lost (any other error, or no answer within `--timeout-s`).
+
+Verdict (exit 1 if any fails): at overload, the admitted p99 is at most
+`--max-p99-ratio` x the p99 at saturation, rejections are answered within
+`--max-reject-ms` (p99), and nothing is lost.
+
+Without --grpc-url it starts, on loopback and free ports, the fake LLM
+upstream and one tritonserver (scripts/local_stack.py) and stops both by PID.
+"""
+
+import argparse
+import asyncio
+import json
+import pathlib
+import random
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.local_stack import FakeLLM, TritonServer  # noqa: E402
+
+ENSEMBLE = "classify_and_describe"
+
+
+def backoff_s(base_s, attempt):
+    # As classify_describe.client: clients refused together do not return together.
+    return random.uniform(0, min(5.0, base_s * (2 ** attempt)))
+
+
+async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
+    import tritonclient.grpc.aio as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    admitted, rejected, lost = [], [], []
+    deadline = time.monotonic() + seconds
+
+    async def user():
+        attempt = 0
+        while time.monotonic() < deadline:
+            tensor = grpcclient.InferInput("IMAGE", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[image]], dtype=np.object_))
+            started = time.monotonic()
+            try:
+                await client.infer(ENSEMBLE, [tensor], client_timeout=timeout_s)
+                admitted.append(time.monotonic() - started)
+                attempt = 0
+            except grpcclient.InferenceServerException as error:
+                elapsed = time.monotonic() - started
+                if str(error.status()) == "StatusCode.UNAVAILABLE":
+                    rejected.append(elapsed)
+                    await asyncio.sleep(backoff_s(backoff_base_s, attempt))
+                    attempt += 1
+                else:
+                    lost.append(f"{error.status()}: {error.message()[:160]}")
+
+    try:
+        await asyncio.gather(*(user() for _ in range(users)))
+    finally:
+        await client.close()
+    return {"users": users, "seconds": seconds, "admitted": len(admitted), "rejected": len(rejected),
+            "lost": len(lost), "lost_sample": lost[:3],
+            "admitted_per_s": round(len(admitted) / seconds, 1),
+            "admitted_p50_ms": percentile_ms(admitted, 50), "admitted_p99_ms": percentile_ms(admitted, 99),
+            "rejected_p50_ms": percentile_ms(rejected, 50), "rejected_p99_ms": percentile_ms(rejected, 99)}
+
+
+def percentile_ms(values, q):
+    return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+
+
+def run(grpc_url, image, args):
+    saturation = asyncio.run(phase(grpc_url, image, args.saturation, args.phase_s, args.timeout_s,
+                                   args.backoff_s))
+    overload = asyncio.run(phase(grpc_url, image, args.saturation * args.factor, args.phase_s,
+                                 args.timeout_s, args.backoff_s))
+    return {"saturation": saturation, "overload": overload, "verdict": judge(saturation, overload, args)}
+
+
+def judge(saturation, overload, args):
+    problems = []
+    if not saturation["admitted"] or not overload["admitted"]:
+        return ["no request was answered in a phase"]
+    ratio = overload["admitted_p99_ms"] / saturation["admitted_p99_ms"]
+    if ratio > args.max_p99_ratio:
+        problems.append(f"admitted p99 at overload is {ratio:.2f}x the p99 at saturation "
+                        f"(limit {args.max_p99_ratio}x)")
+    if overload["rejected"] == 0:
+        problems.append("nothing was refused at overload: no admission control")
+    elif overload["rejected_p99_ms"] > args.max_reject_ms:
+        problems.append(f"rejections p99 {overload['rejected_p99_ms']} ms (limit {args.max_reject_ms} ms)")
+    for name, result in (("saturation", saturation), ("overload", overload)):
+        if result["lost"]:
+            problems.append(f"{result['lost']} request(s) lost at {name}: {result['lost_sample']}")
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grpc-url", help="an already running server (default: start one)")
+    parser.add_argument("--saturation", type=int, default=8, help="virtual users that saturate the ensemble")
+    parser.add_argument("--factor", type=int, default=10)
+    parser.add_argument("--phase-s", type=float, default=30)
+    parser.add_argument("--llm-latency-ms", type=float, default=0)
+    parser.add_argument("--timeout-s", type=float, default=30)
+    parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
+    parser.add_argument("--max-p99-ratio", type=float, default=3.0)
+    parser.add_argument("--max-reject-ms", type=float, default=50.0)
+    parser.add_argument("--results", type=pathlib.Path)
+    args = parser.parse_args(argv)
+
+    import skimage.data
+
+    image = (pathlib.Path(skimage.data.__file__).parent / "coffee.png").read_bytes()
+    if args.grpc_url:
+        results = run(args.grpc_url, image, args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="overload-") as workdir:
+            llm = FakeLLM(pathlib.Path(workdir) / "fake_llm.log", latency_ms=args.llm_latency_ms)
+            server = TritonServer(workdir, {"LLM_BASE_URL": llm.base_url, "LLM_API_KEY": "sk-overload"})
+            try:
+                server.start()
+                results = run(server.grpc_url, image, args)
+                results["server_ready_after"] = server.is_ready()
+                if not results["server_ready_after"]:
+                    results["verdict"].append("server not ready after the run")
+            finally:
+                server.stop()
+                llm.stop()
+    results["settings"] = {k: v for k, v in vars(args).items() if k not in ("results", "grpc_url")}
+    text = json.dumps(results, indent=2, default=str)
+    print(text)
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(text + "\n")
+    return 1 if results["verdict"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
