@@ -224,7 +224,14 @@ class TritonServer:
     without touching the tree; else a directory used as it is.
     env: added to os.environ (LLM_BASE_URL, LLM_API_KEY, ...); a None value
     removes that variable. The ports stay the same for the handle's life, so
-    start() after stop() is a restart on the same ports."""
+    start() after stop() is a restart on the same ports.
+
+    The control APIs are always restricted (scripts/supervise_tritonserver.sh).
+    Each server gets its own random TRITON_ADMIN_KEY unless env gives one, or
+    gives TRITON_ADMIN_KEY=None: then the supervisor generates it into
+    TRITON_ADMIN_KEY_GENERATED_FILE (default <workdir>/admin-key, never the
+    build/admin-key of a `make run` on this checkout). `admin_headers` and
+    `grpc_admin_headers` carry it for load, unload and the like."""
 
     def __init__(self, workdir, env=None, repository=None, log_path=None, command_prefix=()):
         self.workdir = pathlib.Path(workdir)
@@ -235,7 +242,9 @@ class TritonServer:
                 shutil.copytree(REPO / "model_repository", repository)
         self.repository = pathlib.Path(repository)
         self.log_path = pathlib.Path(log_path) if log_path else self.workdir / "tritonserver.log"
-        self.extra_env = dict(env or {})
+        self.extra_env = {"LISTEN_ADDRESS": "127.0.0.1",
+                          "TRITON_ADMIN_KEY": "adm-" + os.urandom(16).hex(), "TRITON_ADMIN_KEY_FILE": None,
+                          "TRITON_ADMIN_KEY_GENERATED_FILE": str(self.workdir / "admin-key"), **(env or {})}
         self.command_prefix = list(command_prefix)
         self.process = None
 
@@ -249,6 +258,26 @@ class TritonServer:
             else:
                 env[key] = value
         return env
+
+    @property
+    def admin_key(self):
+        """The key the server requires, found as the supervisor finds it."""
+        env = self.env
+        key_file = env.get("TRITON_ADMIN_KEY_FILE")
+        if key_file and os.path.exists(key_file):
+            return pathlib.Path(key_file).read_text().strip()
+        if env.get("TRITON_ADMIN_KEY"):
+            return env["TRITON_ADMIN_KEY"]
+        return pathlib.Path(env["TRITON_ADMIN_KEY_GENERATED_FILE"]).read_text().strip()
+
+    @property
+    def admin_headers(self):
+        return {"admin-key": self.admin_key}
+
+    @property
+    def grpc_admin_headers(self):
+        """Over gRPC Triton expects the header with its prefix."""
+        return {"triton-grpc-protocol-admin-key": self.admin_key}
 
     @property
     def http_url(self):

@@ -4,13 +4,20 @@
 #
 # Environment (all optional):
 #   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002
+#   LISTEN_ADDRESS=127.0.0.1  where HTTP, gRPC and metrics listen: this host only;
+#                         0.0.0.0 exposes them on every interface (the control
+#                         APIs stay restricted, see below)
 #   MODEL_REPOSITORY=model_repository
 #   READY_TIMEOUT=300 (seconds)          TRITON_EXTRA_ARGS="--log-verbose=1 ..."
 #   LLM_BASE_URL, LLM_MODEL, LLM_API_KEY, LLM_API_KEY_FILE: see docs/llm-endpoints.md
-#   TRITON_ADMIN_KEY=...  restrict model control, the repository index and shared
-#                         memory (HTTP and gRPC) to callers sending header
-#                         `admin-key: <key>` (gRPC: `triton-grpc-protocol-admin-key`);
-#                         inference, health, metadata stay open
+#   TRITON_ADMIN_KEY=... or TRITON_ADMIN_KEY_FILE=<file>: the key that model
+#                         control, the repository index, shared memory, logging and
+#                         trace settings need (header `admin-key: <key>`; gRPC:
+#                         `triton-grpc-protocol-admin-key`). Without one a new key is
+#                         generated at every start into build/admin-key (mode 0600;
+#                         TRITON_ADMIN_KEY_GENERATED_FILE moves it). Inference, health,
+#                         metadata, config and statistics stay open. The restriction
+#                         itself is always on: scripts/supervise_tritonserver.sh.
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
 #                         see scripts/supervise_tritonserver.sh and docs/reliability.md
 set -euo pipefail
@@ -19,6 +26,7 @@ cd "$(dirname "$0")/.."
 HTTP_PORT="${HTTP_PORT:-8000}"
 GRPC_PORT="${GRPC_PORT:-8001}"
 METRICS_PORT="${METRICS_PORT:-8002}"
+LISTEN_ADDRESS="${LISTEN_ADDRESS:-127.0.0.1}"
 MODEL_REPOSITORY="${MODEL_REPOSITORY:-model_repository}"
 READY_TIMEOUT="${READY_TIMEOUT:-300}"
 
@@ -31,12 +39,20 @@ for needed in "$venv_python" "$triton_home/bin/tritonserver" "$backend_dir/pytho
   [[ -e "$needed" ]] || { echo "serve: $needed is missing; run \`make build\` first" >&2; exit 1; }
 done
 
+# The same address the server will bind: a port taken on another interface
+# does not stop a loopback server, and one taken on loopback stops 0.0.0.0.
 for port in "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT"; do
-  if ! "$venv_python" -c 'import socket, sys
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1])))' "$port" 2>/dev/null; then
-    echo "serve: port $port is already in use; pick free ones, e.g." \
-         "HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002 make run" >&2
+  if ! "$venv_python" -c 'import errno, socket, sys
+address, port = sys.argv[1], int(sys.argv[2])
+s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind((address, port))
+except OSError as error:
+    print(f"serve: port {port} is already in use on {address}; pick free ones, e.g."
+          " HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002 make run" if error.errno == errno.EADDRINUSE
+          else f"serve: cannot listen on {address}:{port} (LISTEN_ADDRESS): {error.strerror}", file=sys.stderr)
+    sys.exit(1)' "$LISTEN_ADDRESS" "$port"; then
     exit 1
   fi
 done
@@ -54,18 +70,16 @@ args=(
   --model-repository="$(realpath "$MODEL_REPOSITORY")"
   --backend-directory="$PWD/$backend_dir"
   --http-port="$HTTP_PORT" --grpc-port="$GRPC_PORT" --metrics-port="$METRICS_PORT"
+  --http-address="$LISTEN_ADDRESS" --grpc-address="$LISTEN_ADDRESS" --metrics-address="$LISTEN_ADDRESS"
   --model-control-mode=explicit --load-model='*'
   --exit-timeout-secs=30
   ${TRITON_EXTRA_ARGS:-}
 )
-if [[ -n "${TRITON_ADMIN_KEY:-}" ]]; then
-  # Format checked against the 2.51 binary: <apis>:<header>=<value>. The key is
-  # never echoed (it is visible in this host's process list, like any argument).
-  args+=("--http-restricted-api=model-repository,shared-memory:admin-key=$TRITON_ADMIN_KEY"
-         "--grpc-restricted-protocol=model-repository,shared-memory:admin-key=$TRITON_ADMIN_KEY")
-  echo "serve: model-repository and shared-memory APIs need header 'admin-key' (TRITON_ADMIN_KEY)" >&2
-fi
+# The supervisor restricts the control APIs; a key it generates goes here
+# (`curl -H "admin-key: $(cat build/admin-key)" ...`), not to a shared /tmp.
+export TRITON_ADMIN_KEY_GENERATED_FILE="${TRITON_ADMIN_KEY_GENERATED_FILE:-$PWD/build/admin-key}"
 
-# The watchdog, the READY line and a clean stop on Ctrl-C/TERM are the
-# supervisor's, shared with the container (Dockerfile CMD, deploy/).
+# The admin key and the restricted APIs, the watchdog, the READY line and a
+# clean stop on Ctrl-C/TERM are the supervisor's, shared with the container
+# (Dockerfile CMD, deploy/).
 exec scripts/supervise_tritonserver.sh "$triton_home/bin/tritonserver" "${args[@]}"

@@ -2,30 +2,62 @@
 # Run tritonserver with the Python-stub watchdog beside it, announce when it is
 # ready, and stop both cleanly on INT/TERM. The same supervisor runs natively
 # (scripts/serve.sh execs it) and in the container (the Dockerfile's CMD and
-# deploy/'s args), so a dead stub is reloaded everywhere, not only in `make run`.
+# deploy/'s args), so a dead stub is reloaded everywhere, not only in `make run`,
+# and the control APIs are restricted everywhere (below), not only where someone
+# remembered a flag.
 #
 #   supervise_tritonserver.sh <tritonserver binary> [tritonserver args...]
 #
-# Ports come from the server's own --http-port/--grpc-port/--metrics-port
-# (Triton's defaults otherwise). Environment (all optional):
+# Control APIs: the server always gets
+#   --http-restricted-api=model-repository,shared-memory,logging,trace:admin-key=<key>
+#   --grpc-restricted-protocol=<the same>
+# so loading a model (with file overrides: Python code that would run next to
+# the LLM key), the repository index, shared-memory registration, log and trace
+# settings need header `admin-key: <key>` (gRPC: `triton-grpc-protocol-admin-key`).
+# Inference, health, metadata, model config and statistics stay open. The key,
+# first found wins:
+#   TRITON_ADMIN_KEY_FILE       a file holding it (a mounted Kubernetes Secret);
+#                               a path that does not exist counts as unset (the
+#                               Secret is optional), an empty file is an error
+#   TRITON_ADMIN_KEY            the key itself
+#   otherwise 32 random bytes (hex), written with mode 0600 to
+#   TRITON_ADMIN_KEY_GENERATED_FILE (default ${TMPDIR:-/tmp}/triton-admin-key);
+#                               the log names the file, never the key.
+# The key goes to the server's arguments (Triton takes it no other way) and to
+# the watchdog's environment; TRITON_ADMIN_KEY is removed from the server's own
+# environment, which its Python model stubs inherit.
+#
+# Ports and addresses come from the server's own --http-port/--grpc-port/
+# --metrics-port and --http-address/--grpc-address/--metrics-address (Triton's
+# defaults otherwise: 8000/8001/8002 on 0.0.0.0). Also (all optional):
 #   READY_TIMEOUT=300           seconds to wait for /v2/health/ready before saying so
 #   STUB_WATCHDOG=1             0: no watchdog (see scripts/hardening_watchdog.py)
 #   STUB_WATCHDOG_INTERVAL_S=1
-#   TRITON_ADMIN_KEY            sent by the watchdog's reloads when the server
-#                               restricts the model-repository API with it
 # Needs a python3 on PATH (standard library only).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 [[ $# -ge 1 ]] || { echo "usage: $0 <tritonserver> [args...]" >&2; exit 2; }
 
 http_port=8000 grpc_port=8001 metrics_port=8002
+http_address=0.0.0.0 grpc_address=0.0.0.0 metrics_address=""
 for arg in "${@:2}"; do
   case "$arg" in
     --http-port=*) http_port="${arg#*=}" ;;
     --grpc-port=*) grpc_port="${arg#*=}" ;;
     --metrics-port=*) metrics_port="${arg#*=}" ;;
+    --http-address=*) http_address="${arg#*=}" ;;
+    --grpc-address=*) grpc_address="${arg#*=}" ;;
+    --metrics-address=*) metrics_address="${arg#*=}" ;;
   esac
 done
+metrics_address="${metrics_address:-$http_address}"  # Triton's own default
+# Where this host reaches the HTTP endpoint (the watchdog, the READY check).
+case "$http_address" in
+  0.0.0.0) http_host=127.0.0.1 ;;
+  ::) http_host="[::1]" ;;
+  *:*) http_host="[$http_address]" ;;
+  *) http_host="$http_address" ;;
+esac
 
 server_pid="" watchdog_pid=""
 stop() {
@@ -44,18 +76,58 @@ stop() {
 # Set before anything starts: a TERM that comes early still stops what did start.
 trap stop INT TERM
 
+# -- the admin key ------------------------------------------------------------
+admin_key=""
+if [[ -n "${TRITON_ADMIN_KEY_FILE:-}" && -e "$TRITON_ADMIN_KEY_FILE" ]]; then
+  if ! admin_key="$(<"$TRITON_ADMIN_KEY_FILE")"; then
+    echo "serve: cannot read TRITON_ADMIN_KEY_FILE=$TRITON_ADMIN_KEY_FILE" >&2
+    exit 1
+  fi
+  admin_key="${admin_key#"${admin_key%%[![:space:]]*}"}"  # a trailing newline is not part of it
+  admin_key="${admin_key%"${admin_key##*[![:space:]]}"}"
+  [[ -n "$admin_key" ]] || { echo "serve: TRITON_ADMIN_KEY_FILE=$TRITON_ADMIN_KEY_FILE is empty" >&2; exit 1; }
+  key_source="from TRITON_ADMIN_KEY_FILE ($TRITON_ADMIN_KEY_FILE)"
+elif [[ -n "${TRITON_ADMIN_KEY:-}" ]]; then
+  admin_key="$TRITON_ADMIN_KEY"
+  key_source="from TRITON_ADMIN_KEY"
+else
+  [[ -z "${TRITON_ADMIN_KEY_FILE:-}" ]] || \
+    echo "serve: TRITON_ADMIN_KEY_FILE=$TRITON_ADMIN_KEY_FILE does not exist; generating a key" >&2
+  key_file="${TRITON_ADMIN_KEY_GENERATED_FILE:-${TMPDIR:-/tmp}/triton-admin-key}"
+  admin_key="$(od -An -vtx1 -N32 /dev/urandom | tr -d ' \n')"
+  # mktemp creates the file with mode 0600 next to the target, and the rename
+  # replaces whatever was there (a link included) instead of writing through it.
+  if ! tmp_key_file="$(mktemp "$key_file.XXXXXX")" \
+     || ! printf '%s\n' "$admin_key" > "$tmp_key_file" || ! mv -f "$tmp_key_file" "$key_file"; then
+    echo "serve: cannot write the generated admin key to $key_file; set TRITON_ADMIN_KEY_GENERATED_FILE" \
+         "to a writable path, or give a key (TRITON_ADMIN_KEY_FILE or TRITON_ADMIN_KEY)" >&2
+    exit 1
+  fi
+  key_source="generated, in $key_file (mode 0600)"
+fi
+# Sent as an HTTP/gRPC header value: printable, no spaces.
+[[ "$admin_key" =~ ^[[:graph:]]+$ ]] || { echo "serve: the admin key ($key_source) has spaces or control characters" >&2; exit 1; }
+(( ${#admin_key} >= 16 )) || echo "serve: WARNING: the admin key ($key_source) is shorter than 16 characters" >&2
+unset TRITON_ADMIN_KEY
+restricted=model-repository,shared-memory,logging,trace
+set -- "$@" "--http-restricted-api=$restricted:admin-key=$admin_key" \
+            "--grpc-restricted-protocol=$restricted:admin-key=$admin_key"
+echo "serve: the ${restricted//,/, } APIs need header 'admin-key' (gRPC:" \
+     "'triton-grpc-protocol-admin-key'); the key is $key_source" >&2
+
 "$@" &
 server_pid=$!
 
 if [[ "${STUB_WATCHDOG:-1}" != "0" ]]; then
-  python3 "$here/hardening_watchdog.py" --server-pid "$server_pid" \
-    --http-url "127.0.0.1:$http_port" --interval-s "${STUB_WATCHDOG_INTERVAL_S:-1}" &
+  TRITON_ADMIN_KEY="$admin_key" python3 "$here/hardening_watchdog.py" --server-pid "$server_pid" \
+    --http-url "$http_host:$http_port" --interval-s "${STUB_WATCHDOG_INTERVAL_S:-1}" &
   watchdog_pid=$!
 fi
 
-python3 - "$http_port" "$grpc_port" "$metrics_port" "${READY_TIMEOUT:-300}" "$server_pid" <<'PY' &
+python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" \
+  "HTTP $http_address:$http_port  gRPC $grpc_address:$grpc_port  metrics http://$metrics_address:$metrics_port/metrics" <<'PY' &
 import os, sys, time, urllib.request
-http, grpc, metrics, timeout, pid = sys.argv[1:]
+host, http, timeout, pid, where = sys.argv[1:]
 deadline = time.monotonic() + float(timeout)
 while time.monotonic() < deadline:
     try:
@@ -63,11 +135,9 @@ while time.monotonic() < deadline:
     except OSError:
         sys.exit(0)  # the server exited; its own log says why
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(f"http://{host}:{http}/v2/health/ready", timeout=2) as r:
             if r.status == 200:
-                print(f"\nserve: READY  HTTP 127.0.0.1:{http}  gRPC 127.0.0.1:{grpc}  "
-                      f"metrics http://127.0.0.1:{metrics}/metrics  (Ctrl-C or TERM stops)\n",
-                      file=sys.stderr, flush=True)
+                print(f"\nserve: READY  {where}  (Ctrl-C or TERM stops)\n", file=sys.stderr, flush=True)
                 sys.exit(0)
     except OSError:
         pass

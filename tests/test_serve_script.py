@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -43,7 +45,8 @@ def test_a_missing_build_says_to_run_make_build(tmp_path):
 
 FAKE_SERVER = r'''
 import http.server, signal, sys, threading
-port = int(next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--http-port=")))
+flags = dict(a[2:].split("=", 1) for a in sys.argv[2:] if a.startswith("--") and "=" in a)
+port = int(flags["http-port"])
 marker = sys.argv[1]
 
 class Ready(http.server.BaseHTTPRequestHandler):
@@ -53,7 +56,8 @@ class Ready(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-server = http.server.HTTPServer(("127.0.0.1", port), Ready)
+# Triton's default is 0.0.0.0; loopback is enough for the supervisor's checks.
+server = http.server.HTTPServer((flags.get("http-address", "127.0.0.1"), port), Ready)
 def on_term(signum, frame):
     open(marker, "w").write("TERM")
     threading.Thread(target=server.shutdown).start()
@@ -72,10 +76,18 @@ def cmdline(pid):
         return ""
 
 
-def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(tmp_path):
+@pytest.mark.parametrize("address_flags, shown, reached", [
+    ((), ("0.0.0.0",) * 3, "127.0.0.1"),  # the Dockerfile CMD: Triton's default, every interface
+    (("--http-address=127.0.0.2", "--grpc-address=127.0.0.3"), ("127.0.0.2", "127.0.0.3", "127.0.0.2"),
+     "127.0.0.2"),  # metrics follow the HTTP address, as in Triton
+], ids=["all-interfaces", "given-addresses"])
+def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(tmp_path, address_flags,
+                                                                               shown, reached):
     """Run the way the Dockerfile CMD runs it: a server command and its flags,
     nothing from serve.sh. The stand-in server answers /v2/health/ready and
-    exits 3 after TERM, which the supervisor passes on as its own stop."""
+    exits 3 after TERM, which the supervisor passes on as its own stop. The
+    READY line names the addresses the server binds; the readiness check and
+    the watchdog reach it on loopback when it binds every interface."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         http_port = probe.getsockname()[1]
@@ -83,9 +95,9 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
     (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
     supervisor = subprocess.Popen(
         [str(REPO / "scripts/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
-         str(marker), f"--http-port={http_port}", "--grpc-port=7001", "--metrics-port=7002"],
-        stderr=subprocess.PIPE, text=True, env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2"},
-        start_new_session=True)
+         str(marker), f"--http-port={http_port}", "--grpc-port=7001", "--metrics-port=7002", *address_flags],
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})
     # Whatever goes wrong, the test ends: its whole process group (the supervisor,
     # the stand-in and the watchdog, all started here) is killed after 60 s.
     deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
@@ -94,11 +106,12 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
         for line in supervisor.stderr:
             if "READY" in line:
                 break
-        assert f"HTTP 127.0.0.1:{http_port}  gRPC 127.0.0.1:7001  metrics http://127.0.0.1:7002/metrics" in line
+        http_at, grpc_at, metrics_at = shown
+        assert f"HTTP {http_at}:{http_port}  gRPC {grpc_at}:7001  metrics http://{metrics_at}:7002/metrics" in line
         watchdogs = [pid for pid in local_stack.children(supervisor.pid) if "hardening_watchdog.py" in cmdline(pid)]
         assert len(watchdogs) == 1, "the stub watchdog runs beside the server"
         watchdog_cmdline = cmdline(watchdogs[0]).split("\0")
-        assert f"127.0.0.1:{http_port}" in watchdog_cmdline, "the watchdog talks to the server's HTTP port"
+        assert f"{reached}:{http_port}" in watchdog_cmdline, "the watchdog talks to the server's HTTP port"
 
         supervisor.send_signal(signal.SIGTERM)
         rest = supervisor.stderr.read()
@@ -123,8 +136,8 @@ def test_a_term_at_any_moment_of_startup_leaves_nothing_running(tmp_path):
         supervisor = subprocess.Popen(
             [str(REPO / "scripts/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
              str(tmp_path / "got_term"), f"--http-port={http_port}"],
-            stderr=subprocess.DEVNULL, env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2"},
-            start_new_session=True)
+            stderr=subprocess.DEVNULL, start_new_session=True,
+            env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})
         time.sleep(delay_s)
         supervisor.send_signal(signal.SIGTERM)
         try:

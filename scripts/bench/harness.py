@@ -39,9 +39,8 @@ class Triton(TritonServer):
     def __init__(self, workdir, llm_base_url, extra_env=None, ready_timeout_s=300):
         workdir = pathlib.Path(workdir)
         env = {"LLM_BASE_URL": llm_base_url, "LLM_API_KEY": BENCH_API_KEY, **(extra_env or {}),
-               # the key comes from LLM_API_KEY only; the tuning sweep reloads
-               # models over the plain HTTP API
-               "LLM_API_KEY_FILE": None, "TRITON_ADMIN_KEY": None}
+               # the key comes from LLM_API_KEY only
+               "LLM_API_KEY_FILE": None}
         super().__init__(workdir, env)
         started = time.monotonic()
         deadline = started + ready_timeout_s
@@ -76,8 +75,10 @@ class Triton(TritonServer):
         return out
 
     def load(self, model):
-        """(Re)load a model from the temp repository (after its config.pbtxt changed)."""
-        http_json(f"http://{self.http_url}/v2/repository/models/{model}/load", {}, timeout=300)
+        """(Re)load a model from the temp repository (after its config.pbtxt changed);
+        the repository API needs this server's admin key."""
+        http_json(f"http://{self.http_url}/v2/repository/models/{model}/load", {}, timeout=300,
+                  headers=self.admin_headers)
 
 
 def stats_delta(before, after):

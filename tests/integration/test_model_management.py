@@ -59,7 +59,7 @@ def test_new_classifier_version_loads_under_traffic(triton, photos):
     try:
         with Traffic(triton.http_url, photos["coffee"]) as traffic:
             wait_until(lambda: len(traffic.answers) >= 5)
-            admin.load_model("classifier")
+            admin.load_model("classifier", headers=triton.admin_headers)
             assert admin.is_model_ready("classifier", "2")
             served_before = len(traffic.answers)
             wait_until(lambda: len(traffic.answers) >= served_before + 5)
@@ -70,7 +70,7 @@ def test_new_classifier_version_loads_under_traffic(triton, photos):
         assert not admin.is_model_ready("classifier", "1")  # latest-only version policy
     finally:
         shutil.rmtree(version_2, ignore_errors=True)
-        admin.load_model("classifier")
+        admin.load_model("classifier", headers=triton.admin_headers)
         wait_until(lambda: admin.is_model_ready("classifier", "1"))
 
 
@@ -90,15 +90,16 @@ def test_unloading_a_model_in_use_lets_in_flight_requests_finish(triton, photos,
     request.start()
     try:
         wait_until(lambda: llm.admin("stats")["in_flight"] >= 1, timeout_s=30)
-        admin.unload_model("describe")  # returns at once; the unload waits for in-flight work
+        # Returns at once; the unload waits for in-flight work.
+        admin.unload_model("describe", headers=triton.admin_headers)
         request.join(60)
         assert "error" not in outcome, outcome.get("error")
         assert outcome["result"].description_source == "llm"
         wait_until(lambda: not admin.is_model_ready("describe"))
     finally:
         llm.admin("reset", {})
-        admin.load_model("describe")
-        admin.load_model("classify_and_describe")
+        admin.load_model("describe", headers=triton.admin_headers)
+        admin.load_model("classify_and_describe", headers=triton.admin_headers)
         wait_until(lambda: admin.is_model_ready("classify_and_describe"))
     with Client(triton.http_url) as client:
         assert client.infer(photos["coffee"], prompt=f"after {uuid.uuid4()}").labels[0] == "espresso"
