@@ -37,6 +37,11 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
 # LLM_BASE_URL, LLM_MODEL, LLM_API_KEY / LLM_API_KEY_FILE come from the
 # environment at run time (docs/llm-endpoints.md); nothing secret is baked in.
 # The supervisor runs tritonserver with the stub watchdog beside it (Triton
-# 2.51 neither restarts a dead Python stub nor reports it; docs/reliability.md)
-# and forwards TERM; it is what `make run` runs too.
-CMD ["/opt/classify_describe/scripts/supervise_tritonserver.sh", "tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30"]
+# 2.51 neither restarts a dead Python stub nor reports it; docs/reliability.md),
+# forwards TERM, and restricts the control APIs (model load/unload, repository,
+# shared memory, logging, trace) to callers with the admin key:
+# TRITON_ADMIN_KEY_FILE or TRITON_ADMIN_KEY, else one it generates into
+# /tmp/triton-admin-key (`docker exec <container> cat /tmp/triton-admin-key`).
+# It is what `make run` runs too. All interfaces, on purpose: published ports
+# and the pod network reach the container from outside.
+CMD ["/opt/classify_describe/scripts/supervise_tritonserver.sh", "tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30", "--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0"]

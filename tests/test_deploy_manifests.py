@@ -28,6 +28,7 @@ K8S_VERSIONS = ("1.29.0", "1.33.0")
 DEPLOYMENT = "classify-describe"
 CONTAINER = "tritonserver"
 KEY_SECRET = "classify-describe-llm-key"
+ADMIN_KEY_SECRET = "classify-describe-admin-key"
 PROBE_PATHS = {"live": "/v2/health/live", "ready": "/v2/health/ready"}
 
 
@@ -184,18 +185,27 @@ def test_kserve_resources_are_well_formed():
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
 
     # The pieces that are plain Kubernetes objects inside the CRDs validate as such:
-    # the runtime's container and the predictor's volumes, in a throwaway Pod.
+    # the runtime's container merged with the predictor's model (lists by name, as
+    # KServe merges them) and both volume lists, in a throwaway Pod.
     container = dict(runtime["spec"]["containers"][0])
     for key in ("env", "envFrom", "volumeMounts"):
-        container[key] = model.get(key, [])
+        container[key] = container.get(key, []) + model.get(key, [])
+    volumes = runtime["spec"].get("volumes", []) + service["spec"]["predictor"]["volumes"]
+    for items in (container["env"], container["volumeMounts"], volumes):
+        names = [i["name"] for i in items]
+        assert len(names) == len(set(names)), f"the runtime and the predictor both set {names}"
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kserve-check"},
-           "spec": {"containers": [container], "volumes": service["spec"]["predictor"]["volumes"],
+           "spec": {"containers": [container], "volumes": volumes,
                     "terminationGracePeriodSeconds": service["spec"]["predictor"]["terminationGracePeriodSeconds"]}}
     kubernetes_validate.validate(pod, K8S_VERSIONS[-1], strict=True)
     check_probes(container, {8080: "http"})
     assert container["args"][:2] == dockerfile_cmd()[:2], "the runtime runs the Dockerfile's supervisor"
     check_graceful_shutdown(container, pod["spec"])
     check_api_key_is_a_file(container, pod["spec"])
+    check_admin_key_is_an_optional_secret_file(container, pod["spec"])
+    # The admin key is the server's, so the runtime itself carries it (not every
+    # InferenceService that uses the runtime has to remember it).
+    assert "TRITON_ADMIN_KEY_FILE" in {e["name"] for e in runtime["spec"]["containers"][0]["env"]}
 
 
 def test_servicemonitor_and_adapter_rule_match_the_deployment():
@@ -269,18 +279,42 @@ def check_graceful_shutdown(container, spec):
         f"{exit_timeout} + 5: the kubelet would SIGKILL requests Triton is still finishing")
 
 
+def secret_file_mounts(container, spec):
+    """{path of each file a mounted Secret provides: (volume, read-only mount)}."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    files = {}
+    for mount in container["volumeMounts"]:
+        secret = volumes[mount["name"]].get("secret")
+        for item in (secret or {}).get("items", []):
+            files[pathlib.PurePosixPath(mount["mountPath"]) / item["path"]] = (volumes[mount["name"]], mount)
+    return files
+
+
 def check_api_key_is_a_file(container, spec):
     env = {e["name"]: e for e in container.get("env", [])}
     for name, entry in env.items():
-        assert not (name.endswith("API_KEY") or "secretKeyRef" in entry.get("valueFrom", {})), \
-            f"{name}: the key must come from a mounted file, never an env var (kubectl describe shows it)"
+        assert not (name.endswith("_KEY") or "secretKeyRef" in entry.get("valueFrom", {})), \
+            f"{name}: a key must come from a mounted file, never an env var (kubectl describe shows it)"
     key_path = pathlib.PurePosixPath(env["LLM_API_KEY_FILE"]["value"])
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    mounts = [m for m in container["volumeMounts"] if "secret" in volumes[m["name"]]]
-    assert any(key_path.parent == pathlib.PurePosixPath(m["mountPath"]) and m.get("readOnly")
-               and volumes[m["name"]]["secret"]["secretName"] == KEY_SECRET
-               and key_path.name in {i["path"] for i in volumes[m["name"]]["secret"]["items"]}
-               for m in mounts), f"LLM_API_KEY_FILE={key_path} is not a file of the mounted Secret {KEY_SECRET}"
+    volume, mount = secret_file_mounts(container, spec).get(key_path, ({}, {}))
+    assert mount.get("readOnly") and volume["secret"]["secretName"] == KEY_SECRET, \
+        f"LLM_API_KEY_FILE={key_path} is not a file of the mounted Secret {KEY_SECRET}"
+
+
+def check_admin_key_is_an_optional_secret_file(container, spec):
+    """TRITON_ADMIN_KEY_FILE names the file of the admin-key Secret, which is
+    optional: without it the pod still starts, the file is absent and the
+    supervisor generates a key (tests/test_control_api_policy.py)."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert "TRITON_ADMIN_KEY" not in env
+    key_path = pathlib.PurePosixPath(env["TRITON_ADMIN_KEY_FILE"]["value"])
+    volume, mount = secret_file_mounts(container, spec).get(key_path, ({}, {}))
+    assert mount.get("readOnly") and volume["secret"]["secretName"] == ADMIN_KEY_SECRET, \
+        f"TRITON_ADMIN_KEY_FILE={key_path} is not a file of the mounted Secret {ADMIN_KEY_SECRET}"
+    assert volume["secret"].get("optional") is True, "a missing admin-key Secret must not keep the pod from starting"
+    example = load_docs(DEPLOY / "base/admin-key.secret.example.yaml")[0]
+    assert example["metadata"]["name"] == ADMIN_KEY_SECRET
+    assert {i["key"] for i in volume["secret"]["items"]} <= example["stringData"].keys()
 
 
 def test_probes_point_at_tritons_health_endpoints(overlay):
@@ -324,6 +358,11 @@ def test_llm_settings_from_configmap_and_key_from_a_secret_file(overlay):
     check_api_key_is_a_file(container, pod_spec(by_kind(docs, "Deployment")))
     secret = load_docs(DEPLOY / "base/llm-api-key.secret.example.yaml")[0]
     assert secret["metadata"]["name"] == KEY_SECRET and "Secret" not in {d["kind"] for d in docs}
+
+
+def test_admin_key_from_an_optional_secret_file(overlay):
+    _, docs = overlay
+    check_admin_key_is_an_optional_secret_file(server_container(docs), pod_spec(by_kind(docs, "Deployment")))
 
 
 def test_shared_memory_is_memory_backed_and_fits_the_limit(overlay):
