@@ -1,6 +1,6 @@
 # Triton model package: image classification + LLM description.
 #   make build   venv, Triton server, backend directory, model artifacts
-#   make run     serve model_repository/ natively (HTTP 8000, gRPC 8001, metrics 8002)
+#   make run     serve model_repository/ natively on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test    build, then unit + integration tests against a real server
 # Every version comes from versions.env.
 
@@ -40,6 +40,8 @@ BACKEND_STAMP := $(BACKEND_DIR)/.linked
 help:
 	@echo "make build          venv + Triton $(TRITON_VERSION) + backends + model artifacts"
 	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
+	@echo "                    on 127.0.0.1; LISTEN_ADDRESS=0.0.0.0 exposes it. Load/unload, shared memory, logging"
+	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
 	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
@@ -77,7 +79,7 @@ $(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) 
 	$(PY) scripts/export_classifier.py --timm-wheel $(TIMM_WHEEL) --model-dir $(CLASSIFIER)
 
 run: build
-	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) scripts/serve.sh
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
 
 test: build perf-analyzer
 	scripts/run_tests.sh
