@@ -99,7 +99,6 @@ class Server(TritonServer):
 
     def __init__(self, workdir, env):
         super().__init__(workdir, env)
-        self.admin_headers = {"admin-key": env["TRITON_ADMIN_KEY"]} if env.get("TRITON_ADMIN_KEY") else {}
         self.log_paths = []  # one per start
 
     def start(self):
