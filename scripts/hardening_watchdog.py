@@ -17,7 +17,8 @@ children), remembers which stub serves which model (the instance name is in
 the stub's command line: `<model>_<group>_<instance>`), and when a stub it saw
 alive is gone or a zombie while no live stub serves that instance any more and
 the repository index still says READY, it reloads that model through the
-repository API (with the admin key header when TRITON_ADMIN_KEY is set).
+repository API, with header admin-key: the supervisor restricts that API and
+passes the key in this process's TRITON_ADMIN_KEY (not in tritonserver's).
 A model unloaded on purpose is not READY in the index and is left alone.
 When the server has exited it stops (TERM, then KILL) the stubs it last saw
 that are still running: measured on 2.51, a stub started after the server
