@@ -1,7 +1,9 @@
 """Bounded overload run (`make overload`; docs/reliability.md#overload).
 
-Keeps `--saturation` virtual users sending classify_and_describe requests over
-gRPC for `--phase-s` seconds, then `--factor` times as many. Each user waits
+First finds the saturating concurrency: the fewest virtual users (1, 2, 4,
+...) whose throughput is within 5 % of the best seen (`--saturation N` skips
+the sweep). Then keeps that many users sending classify_and_describe requests
+over gRPC for `--phase-s` seconds, then `--factor` times as many. Each user waits
 for its answer; on UNAVAILABLE (a queue policy refused it) it backs off the
 way classify_describe's clients do (exponential with full jitter) and sends
 again. Per attempt it records: admitted (answered) latency, rejection latency,
@@ -80,12 +82,32 @@ def percentile_ms(values, q):
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
+def saturating_users(grpc_url, image, args):
+    """(users, sweep): the fewest users within 5 % of the best throughput."""
+    sweep, users = [], 1
+    while users <= args.max_users:
+        result = asyncio.run(phase(grpc_url, image, users, args.sweep_s, args.timeout_s, args.backoff_s))
+        sweep.append(result)
+        best = max(r["admitted_per_s"] for r in sweep)
+        # Two steps past the best without gaining: throughput has levelled off.
+        if len(sweep) >= 3 and max(r["admitted_per_s"] for r in sweep[-2:]) < best * 1.02 \
+                and sweep[-3]["admitted_per_s"] >= best * 0.95:
+            break
+        users *= 2
+    best = max(r["admitted_per_s"] for r in sweep)
+    return next(r["users"] for r in sweep if r["admitted_per_s"] >= 0.95 * best), sweep
+
+
 def run(grpc_url, image, args):
-    saturation = asyncio.run(phase(grpc_url, image, args.saturation, args.phase_s, args.timeout_s,
-                                   args.backoff_s))
-    overload = asyncio.run(phase(grpc_url, image, args.saturation * args.factor, args.phase_s,
+    sweep = None
+    users = args.saturation
+    if users is None:
+        users, sweep = saturating_users(grpc_url, image, args)
+    saturation = asyncio.run(phase(grpc_url, image, users, args.phase_s, args.timeout_s, args.backoff_s))
+    overload = asyncio.run(phase(grpc_url, image, users * args.factor, args.phase_s,
                                  args.timeout_s, args.backoff_s))
-    return {"saturation": saturation, "overload": overload, "verdict": judge(saturation, overload, args)}
+    return {"sweep": sweep, "saturation": saturation, "overload": overload,
+            "verdict": judge(saturation, overload, args)}
 
 
 def judge(saturation, overload, args):
@@ -109,7 +131,9 @@ def judge(saturation, overload, args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", help="an already running server (default: start one)")
-    parser.add_argument("--saturation", type=int, default=8, help="virtual users that saturate the ensemble")
+    parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
+    parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
+    parser.add_argument("--max-users", type=int, default=64, help="the sweep stops here")
     parser.add_argument("--factor", type=int, default=10)
     parser.add_argument("--phase-s", type=float, default=30)
     parser.add_argument("--llm-latency-ms", type=float, default=0)

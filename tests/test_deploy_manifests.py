@@ -440,3 +440,17 @@ def pbtxt_without_instance_groups(text):
                 break
         text = text[:start] + text[index + 1:]
     return " ".join(text.split())
+
+
+def test_cpu_slots_of_the_rate_limiter_match_the_cpu_request():
+    """On CPU, decodes and forward passes share the pod's CPUs through Triton's
+    rate limiter (docs/reliability.md#overload): the "cpu" count given to the
+    server must be the CPU the pod gets. On GPU the classifier needs no CPU
+    slot, so the GPU overlay leaves the rate limiter off."""
+    cpu = server_container(render(DEPLOY / "overlays" / "cpu"))
+    assert flag(cpu["args"], "rate-limit") == "execution_count"
+    assert flag(cpu["args"], "rate-limit-resource") == f"cpu:{int(cpu['resources']['requests']['cpu'])}"
+    gpu = server_container(render(DEPLOY / "overlays" / "gpu"))
+    assert not any(a.startswith("--rate-limit") for a in gpu["args"])
+    runtime = by_kind(load_docs(DEPLOY / "kserve/servingruntime.yaml"), "ServingRuntime")["spec"]["containers"][0]
+    assert flag(runtime["args"], "rate-limit-resource") == f"cpu:{int(runtime['resources']['requests']['cpu'])}"
