@@ -70,7 +70,7 @@ async def one(session, url, payload, check):
 
 
 def triton_ok(body):
-    return body["outputs"][1]["data"][0] == "llm"
+    return next(o["data"][0] for o in body["outputs"] if o["name"] == "DESCRIPTION_SOURCE") == "llm"
 
 
 def direct_ok(body):

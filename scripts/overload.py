@@ -1,6 +1,6 @@
 """Bounded overload run (`make overload`; docs/reliability.md#overload).
 
-First finds the saturating concurrency: the fewest virtual users (1, 2, 4,
+First finds the saturating concurrency: the fewest virtual users (8, 16, 32,
 ...) whose throughput is within 5 % of the best seen (`--saturation N` skips
 the sweep). Then keeps that many users sending classify_and_describe requests
 over gRPC for `--phase-s` seconds, then `--factor` times as many. Each user waits
@@ -19,6 +19,7 @@ upstream and one tritonserver (scripts/local_stack.py) and stops both by PID.
 
 import argparse
 import asyncio
+import itertools
 import json
 import pathlib
 import random
@@ -47,15 +48,21 @@ async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
     client = grpcclient.InferenceServerClient(url)
     admitted, rejected, lost = [], [], []
     deadline = time.monotonic() + seconds
+    tag = f"{random.getrandbits(32):08x}"
+    sent = itertools.count()
 
     async def user():
         attempt = 0
         while time.monotonic() < deadline:
             tensor = grpcclient.InferInput("IMAGE", [1, 1], "BYTES")
             tensor.set_data_from_numpy(np.array([[image]], dtype=np.object_))
+            # A new prompt each time: the describe step's answer cache would
+            # otherwise hide the LLM's latency.
+            prompt = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+            prompt.set_data_from_numpy(np.array([[f"What is it? ({tag}-{next(sent)})".encode()]], dtype=np.object_))
             started = time.monotonic()
             try:
-                await client.infer(ENSEMBLE, [tensor], client_timeout=timeout_s)
+                await client.infer(ENSEMBLE, [tensor, prompt], client_timeout=timeout_s)
                 admitted.append(time.monotonic() - started)
                 attempt = 0
             except grpcclient.InferenceServerException as error:
@@ -84,7 +91,7 @@ def percentile_ms(values, q):
 
 def saturating_users(grpc_url, image, args):
     """(users, sweep): the fewest users within 5 % of the best throughput."""
-    sweep, users = [], 1
+    sweep, users = [], args.min_users
     while users <= args.max_users:
         result = asyncio.run(phase(grpc_url, image, users, args.sweep_s, args.timeout_s, args.backoff_s))
         sweep.append(result)
@@ -132,11 +139,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", help="an already running server (default: start one)")
     parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
+    parser.add_argument("--min-users", type=int, default=8, help="the sweep starts here")
     parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
-    parser.add_argument("--max-users", type=int, default=64, help="the sweep stops here")
+    parser.add_argument("--max-users", type=int, default=512, help="the sweep stops here")
     parser.add_argument("--factor", type=int, default=10)
     parser.add_argument("--phase-s", type=float, default=30)
-    parser.add_argument("--llm-latency-ms", type=float, default=0)
+    parser.add_argument("--llm-latency-ms", type=float, default=1000,
+                        help="the fake LLM's latency (1 s: the describe step holds requests like a real LLM)")
     parser.add_argument("--timeout-s", type=float, default=30)
     parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
     parser.add_argument("--max-p99-ratio", type=float, default=3.0)
