@@ -106,7 +106,7 @@ docker-build:
 docker-run:
 	docker run --rm --gpus all --shm-size=1g \
 	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 \
-	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY $(IMAGE_NAME)
+	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY $(IMAGE_NAME)
 
 clean:
 	rm -rf $(BUILD) $(CLASSIFIER_FILE)
@@ -139,10 +139,11 @@ bench-quick: build perf-analyzer
 soak: build
 	$(PY) scripts/soak.py $(SOAK_ARGS)
 
-# Overload (docs/reliability.md#overload): fake LLM + one server on loopback free
-# ports, 8 users then 80 with client-style back-off; fails unless the excess is
-# refused fast, admitted latency stays bounded and nothing is lost.
-#   make overload OVERLOAD_ARGS="--phase-s 60 --llm-latency-ms 1000 --saturation 48"
+# Overload (docs/reliability.md#overload): fake LLM (1 s) + one server on loopback
+# free ports; a sweep finds the saturating number of users, then 10x as many with
+# client-style back-off; fails unless the excess is refused fast, admitted
+# latency stays bounded and nothing is lost.
+#   make overload OVERLOAD_ARGS="--phase-s 60 --saturation 128"
 .PHONY: overload
 overload: build
 	$(PY) scripts/overload.py --results $(BUILD)/overload/results.json $(OVERLOAD_ARGS)

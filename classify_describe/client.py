@@ -94,7 +94,7 @@ def _request_error(error, module, timeout_s):
     return request_error
 
 
-def _backoff_s(base_s, attempt):
+def backoff_s(base_s, attempt):
     # Exponential with full jitter, capped: clients that lost the same server do
     # not all come back in the same instant.
     return random.uniform(0, min(5.0, base_s * (2 ** attempt)))
@@ -212,7 +212,7 @@ class Client:
             except Exception as error:
                 if attempt < self._retries and _resend(error, self._module):
                     self.retried += 1
-                    time.sleep(_backoff_s(self._retry_backoff_s, attempt))
+                    time.sleep(backoff_s(self._retry_backoff_s, attempt))
                     continue
                 if isinstance(error, self._module.InferenceServerException):
                     raise _request_error(error, self._module, self._timeout_s) from None
@@ -274,7 +274,7 @@ class AsyncClient:
                 except Exception as error:
                     if attempt < self._retries and _resend(error, self._module):
                         self.retried += 1
-                        await asyncio.sleep(_backoff_s(self._retry_backoff_s, attempt))
+                        await asyncio.sleep(backoff_s(self._retry_backoff_s, attempt))
                         continue
                     if isinstance(error, self._module.InferenceServerException):
                         raise _request_error(error, self._module, self._timeout_s) from None

@@ -32,14 +32,13 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from classify_describe.client import backoff_s  # noqa: E402  (the clients' own back-off)
 from scripts.local_stack import FakeLLM, TritonServer  # noqa: E402
 
 ENSEMBLE = "classify_and_describe"
-
-
-def backoff_s(base_s, attempt):
-    # As classify_describe.client: clients refused together do not return together.
-    return random.uniform(0, min(5.0, base_s * (2 ** attempt)))
+# A queue policy's refusal; any other error (UNAVAILABLE included: a model
+# unloading, the LLM step failing with on_failure=error) is a lost request.
+REFUSED = "Exceeds maximum queue size"
 
 
 async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
@@ -67,17 +66,21 @@ async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
                 attempt = 0
             except grpcclient.InferenceServerException as error:
                 elapsed = time.monotonic() - started
-                if str(error.status()) == "StatusCode.UNAVAILABLE":
+                if str(error.status()) == "StatusCode.UNAVAILABLE" and REFUSED in str(error.message()):
                     rejected.append(elapsed)
                     await asyncio.sleep(backoff_s(backoff_base_s, attempt))
                     attempt += 1
                 else:
                     lost.append(f"{error.status()}: {error.message()[:160]}")
 
+    started = time.monotonic()
     try:
         await asyncio.gather(*(user() for _ in range(users)))
     finally:
         await client.close()
+    # Requests sent before the deadline finish after it: rates are per second
+    # of the whole phase, drain included.
+    seconds = round(time.monotonic() - started, 1)
     return {"users": users, "seconds": seconds, "admitted": len(admitted), "rejected": len(rejected),
             "lost": len(lost), "lost_sample": lost[:3],
             "admitted_per_s": round(len(admitted) / seconds, 1),

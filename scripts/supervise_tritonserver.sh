@@ -25,7 +25,8 @@
 #                               the log names the file, never the key.
 # The key goes to the server's arguments (Triton takes it no other way) and to
 # the watchdog's environment; TRITON_ADMIN_KEY is removed from the server's own
-# environment, which its Python model stubs inherit.
+# environment (so from environment dumps; same-user processes can still read
+# the server's arguments and the key file).
 #
 # Ports and addresses come from the server's own --http-port/--grpc-port/
 # --metrics-port and --http-address/--grpc-address/--metrics-address (Triton's
@@ -97,8 +98,10 @@ else
   admin_key="$(od -An -vtx1 -N32 /dev/urandom | tr -d ' \n')"
   # mktemp creates the file with mode 0600 next to the target, and the rename
   # replaces whatever was there (a link included) instead of writing through it.
+  # mv -T: a directory planted at that path is an error, not a place to write into.
   if ! tmp_key_file="$(mktemp "$key_file.XXXXXX")" \
-     || ! printf '%s\n' "$admin_key" > "$tmp_key_file" || ! mv -f "$tmp_key_file" "$key_file"; then
+     || ! printf '%s\n' "$admin_key" > "$tmp_key_file" || ! mv -fT "$tmp_key_file" "$key_file"; then
+    [[ -z "${tmp_key_file:-}" ]] || rm -f "$tmp_key_file"  # it holds the key
     echo "serve: cannot write the generated admin key to $key_file; set TRITON_ADMIN_KEY_GENERATED_FILE" \
          "to a writable path, or give a key (TRITON_ADMIN_KEY_FILE or TRITON_ADMIN_KEY)" >&2
     exit 1

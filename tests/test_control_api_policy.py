@@ -6,7 +6,7 @@ the supervisor is started with a stand-in `tritonserver` that records the
 arguments and the environment it receives. Whatever the path, the server must
 be told to restrict model-repository, shared-memory, logging and trace over
 HTTP and gRPC with a non-empty key; the key must reach the stub watchdog, stay
-out of the server's own environment (its Python stubs inherit it) and out of
+out of the server's own environment (environment dumps) and out of
 everything the supervisor prints. The real server's answers to these flags are
 checked in tests/integration/test_restricted_api.py.
 """
@@ -130,7 +130,7 @@ class Run:
         nothing else: not the server's environment, not the printed output."""
         assert self.restricted_key() == key
         assert self.watchdog_env.get("TRITON_ADMIN_KEY") == key, "the watchdog could not reload a model"
-        assert "TRITON_ADMIN_KEY" not in self.env, "the Python stubs would inherit the key"
+        assert "TRITON_ADMIN_KEY" not in self.env, "the key belongs in the server's arguments, not its environment"
         assert key not in "".join(self.env.values())
         assert key not in self.output, "the supervisor printed the key"
         assert "need header 'admin-key'" in self.output

@@ -243,54 +243,73 @@ TUNING_VARIANTS = {
 }
 
 
-def classifier_config(text, batching=True, delay_us=None, preferred=None, threads=None, instances=None):
-    """The classifier's config.pbtxt with some scheduling settings replaced."""
-    edits = []
+def read_config(text):
+    """A config.pbtxt as Triton reads it (protobuf text format), not by regex."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def write_config(config):
+    from google.protobuf import text_format
+
+    return text_format.MessageToString(config)
+
+
+def classifier_config(shipped, batching=True, delay_us=None, preferred=None, threads=None, instances=None):
+    """A copy of the classifier's config (a ModelConfig) with some scheduling settings replaced."""
+    config = type(shipped)()
+    config.CopyFrom(shipped)
     if not batching:
-        edits.append((r"dynamic_batching \{[^}]*\}", ""))
+        config.ClearField("dynamic_batching")
     if delay_us is not None:
-        edits.append((r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {delay_us}"))
+        config.dynamic_batching.max_queue_delay_microseconds = delay_us
     if preferred is not None:
-        edits.append((r"preferred_batch_size: \[[^\]]*\]", f"preferred_batch_size: [ {', '.join(map(str, preferred))} ]"))
+        del config.dynamic_batching.preferred_batch_size[:]
+        config.dynamic_batching.preferred_batch_size.extend(preferred)
     if threads is not None:
-        edits.append((r'(key: "torch_num_threads" value \{ string_value: )"\d+"', rf'\g<1>"{threads}"'))
+        config.parameters["torch_num_threads"].string_value = str(threads)
     if instances is not None:
-        edits.append((r"count: \d+, kind: KIND_CPU", f"count: {instances}, kind: KIND_CPU"))
-    for pattern, replacement in edits:
-        text, count = re.subn(pattern, replacement, text)
-        if count == 0:
-            raise RuntimeError(f"tuning: {pattern!r} not found in classifier/config.pbtxt")
-    return text
+        for group in config.instance_group:
+            group.count = instances
+    return config
 
 
-def describe_classifier_config(text):
-    """'preferred [2, 4], delay 0 us, 1 instance x 1 thread' read back from a config.pbtxt."""
-    threads = re.search(r'torch_num_threads" value \{ string_value: "(\d+)"', text)
-    instances = re.search(r"count: (\d+), kind: KIND_CPU", text)
-    batching = re.search(r"dynamic_batching \{([^}]*)\}", text)
-    if batching:
-        preferred = re.search(r"preferred_batch_size: \[([^\]]*)\]", batching.group(1))
-        delay = re.search(r"max_queue_delay_microseconds: (\d+)", batching.group(1))
-        policy = (f"dynamic batching, preferred [{preferred.group(1).strip() if preferred else 'any'}], "
-                  f"delay {int(delay.group(1)) / 1000 if delay else 0:g} ms")
+def classifier_instances(config):
+    return sum(group.count for group in config.instance_group) or 1
+
+
+def classifier_threads(config):
+    return int(config.parameters["torch_num_threads"].string_value or 1)
+
+
+def describe_classifier_config(config):
+    """'dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 torch thread(s)'."""
+    if config.HasField("dynamic_batching"):
+        batching = config.dynamic_batching
+        preferred = ", ".join(map(str, batching.preferred_batch_size)) or "any"
+        policy = (f"dynamic batching, preferred [{preferred}], "
+                  f"delay {batching.max_queue_delay_microseconds / 1000:g} ms")
     else:
         policy = "no dynamic batching"
-    return (f"{policy}, {instances.group(1) if instances else '?'} instance(s) x "
-            f"{threads.group(1) if threads else '?'} torch thread(s)")
+    return f"{policy}, {classifier_instances(config)} instance(s) x {classifier_threads(config)} torch thread(s)"
 
 
 def measure_tuning(ctx, p):
     """The sweep behind the shipped classifier config: alternatives on the temp repository."""
     config_path = ctx.triton.repository / "classifier/config.pbtxt"
-    shipped = config_path.read_text()
+    shipped_text = config_path.read_text()
+    shipped = read_config(shipped_text)
     rows = []
     try:
         for name in p["tuning"]:
-            text = classifier_config(shipped, **TUNING_VARIANTS[name])
-            if name != "shipped" and text == shipped:
+            config = classifier_config(shipped, **TUNING_VARIANTS[name])
+            if name != "shipped" and config == shipped:
                 log(f"tuning {name}: the same as the shipped config, skipped")
                 continue
-            label = describe_classifier_config(text) + (" (shipped)" if text == shipped else "")
+            label = describe_classifier_config(config) + (" (shipped)" if config == shipped else "")
+            text = shipped_text if config == shipped else write_config(config)
             if config_path.read_text() != text:
                 config_path.write_text(text)
                 ctx.triton.load("classifier")
@@ -306,8 +325,8 @@ def measure_tuning(ctx, p):
                                                for c, r in row["results"].items()))
             rows.append(row)
     finally:
-        if config_path.read_text() != shipped:
-            config_path.write_text(shipped)
+        if config_path.read_text() != shipped_text:
+            config_path.write_text(shipped_text)
             ctx.triton.load("classifier")
     return rows
 
@@ -387,17 +406,13 @@ def main(argv=None):
         # distinct prompt: each request is one real upstream call.
         ctx.triton = harness.Triton(workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
         meta["server_startup_s"] = ctx.triton.startup_s
-        shipped_config = (ctx.triton.repository / "classifier/config.pbtxt").read_text()
-        threads = re.search(r'torch_num_threads" value \{ string_value: "(\d+)"', shipped_config)
-        instances = re.search(r"count: (\d+), kind: KIND_CPU", shipped_config)
+        shipped_config = read_config((ctx.triton.repository / "classifier/config.pbtxt").read_text())
         # The in-process baseline gets as many torch threads as all classifier
         # instances use together: the same compute, spent in one process.
-        ctx.torch_threads = ((int(threads.group(1)) if threads else 1)
-                             * (int(instances.group(1)) if instances else 1))
+        ctx.torch_threads = classifier_threads(shipped_config) * classifier_instances(shipped_config)
         meta["torch_threads"] = ctx.torch_threads
         meta["classifier_config"] = describe_classifier_config(shipped_config)
-        preferred = re.search(r"preferred_batch_size: \[([^\]]*)\]", shipped_config)
-        meta["policy_max_batch"] = max(int(b) for b in preferred.group(1).split(",")) if preferred else 1
+        meta["policy_max_batch"] = max(shipped_config.dynamic_batching.preferred_batch_size, default=1)
         log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}")
         results["classification"] = measure_classification(ctx, params)
         results["hiding"] = measure_latency_hiding(ctx, params)

@@ -48,10 +48,6 @@ class Answer:
     def invalid_argument(self):
         return self.code in ("400", "INVALID_ARGUMENT")
 
-    @property
-    def unavailable(self):
-        return self.code in ("503", "UNAVAILABLE")
-
 
 def _decode_bytes(raw, count):
     values, offset = [], 0

@@ -110,7 +110,7 @@ def stand_in():
 @pytest.fixture
 def no_backoff(monkeypatch):
     """Retries resend at once: the tests count resends, they do not wait for them."""
-    monkeypatch.setattr(client_module, "_backoff_s", lambda base_s, attempt: 0.0)
+    monkeypatch.setattr(client_module, "backoff_s", lambda base_s, attempt: 0.0)
 
 
 @pytest.fixture

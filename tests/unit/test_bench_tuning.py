@@ -1,0 +1,46 @@
+"""The bench's tuning sweep edits the committed classifier config through
+Triton's own config schema (protobuf text format), so every variant still
+parses, changes only what it names, and reads back as it should. Regex edits
+broke silently when the config gained a multi-line instance_group and a queue
+policy inside dynamic_batching."""
+
+import pathlib
+
+import pytest
+
+from scripts.bench import run
+
+CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classifier/config.pbtxt"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return run.read_config(CONFIG.read_text())
+
+
+def test_the_shipped_config_reads_back(shipped):
+    assert run.classifier_instances(shipped) == 2 and run.classifier_threads(shipped) == 1
+    assert list(shipped.dynamic_batching.preferred_batch_size) == [2, 4]
+    assert shipped.dynamic_batching.default_queue_policy.max_queue_size > 0
+
+
+@pytest.mark.parametrize("name", sorted(run.TUNING_VARIANTS))
+def test_every_variant_renders_a_config_that_parses(shipped, name):
+    config = run.classifier_config(shipped, **run.TUNING_VARIANTS[name])
+    assert run.read_config(run.write_config(config)) == config
+    variant = run.TUNING_VARIANTS[name]
+    assert config.HasField("dynamic_batching") == variant.get("batching", True)
+    if "threads" in variant:
+        assert run.classifier_threads(config) == variant["threads"]
+    if "preferred" in variant:
+        assert list(config.dynamic_batching.preferred_batch_size) == variant["preferred"]
+    # What a variant does not name stays as shipped.
+    assert config.output == shipped.output and config.input == shipped.input
+    assert [g.rate_limiter for g in config.instance_group] == [g.rate_limiter for g in shipped.instance_group]
+
+
+def test_labels_name_the_policy(shipped):
+    assert run.describe_classifier_config(shipped) == \
+        "dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 torch thread(s)"
+    no_batching = run.classifier_config(shipped, batching=False)
+    assert run.describe_classifier_config(no_batching).startswith("no dynamic batching")
