@@ -20,8 +20,10 @@ RUN set -a && . ./versions.env && set +a \
 # `backend: "<name>"` finds them.
 COPY backends/ /opt/tritonserver/backends/
 COPY model_repository/ /models/
-COPY scripts/__init__.py scripts/export_classifier.py scripts/supervise_tritonserver.sh \
-     scripts/hardening_watchdog.py scripts/local_stack.py scripts/
+# What ships besides: the supervisor and the stub watchdog (serving/, standard
+# library only); the classifier export runs once at build time.
+COPY serving/ serving/
+COPY scripts/export_classifier.py scripts/
 
 # The TorchScript file and labels are built from the pinned pretrained weights.
 RUN set -a && . ./versions.env && set +a \
@@ -44,4 +46,4 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
 # /tmp/triton-admin-key (`docker exec <container> cat /tmp/triton-admin-key`).
 # It is what `make run` runs too. All interfaces, on purpose: published ports
 # and the pod network reach the container from outside.
-CMD ["/opt/classify_describe/scripts/supervise_tritonserver.sh", "tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30", "--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0"]
+CMD ["/opt/classify_describe/serving/supervise_tritonserver.sh", "tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30", "--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0"]

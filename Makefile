@@ -53,7 +53,7 @@ help:
 
 build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE)
 
-$(VENV_STAMP): requirements.txt requirements-dev.txt versions.env scripts/check_python.sh
+$(VENV_STAMP): requirements.txt requirements-dev.txt versions.env scripts/check_python.sh pyproject.toml
 	scripts/check_python.sh $(PYTHON_BIN)
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -92,6 +92,7 @@ integration: build
 
 lint: $(VENV_STAMP)
 	$(VENV)/bin/hadolint Dockerfile
+	$(VENV)/bin/ruff check .
 
 # perf_analyzer ships only in the tritonclient==2.41.1 manylinux wheel; it
 # lives apart from the runtime venv (its tritonclient is older than ours).
@@ -116,18 +117,18 @@ clean:
 # and fails unless every request was answered. Longer: REHEARSE_ARGS="--failover-s 300".
 .PHONY: rehearse
 rehearse: build
-	$(PY) scripts/rehearse_scaling.py $(REHEARSE_ARGS)
+	$(PY) -m tools.rehearse_scaling $(REHEARSE_ARGS)
 
 # Benchmarks: perf_analyzer against a server and a fake LLM upstream that the run
-# starts on free ports (scripts/bench/). Not part of `make test`.
+# starts on free ports (tools/bench/). Not part of `make test`.
 #   make bench         docs/benchmarks.md + docs/plots/*.png (about 15 minutes)
 #   make bench-quick   the headline figures in under 3 minutes (build/bench/quick/)
 .PHONY: bench bench-quick
 bench: build perf-analyzer
-	$(PY) scripts/bench/run.py --mode full --results $(BUILD)/bench/full/results.json
+	$(PY) -m tools.bench.run --mode full --results $(BUILD)/bench/full/results.json
 
 bench-quick: build perf-analyzer
-	$(PY) scripts/bench/run.py --mode quick --results $(BUILD)/bench/quick/results.json
+	$(PY) -m tools.bench.run --mode quick --results $(BUILD)/bench/quick/results.json
 
 # Soak and faults (docs/reliability.md): fake LLM upstream + one server on loopback
 # free ports, valid load at the concurrency that saturates the ensemble, the
@@ -137,7 +138,7 @@ bench-quick: build perf-analyzer
 #   make soak SOAK_ARGS="--duration-s 180"
 .PHONY: soak
 soak: build
-	$(PY) scripts/soak.py $(SOAK_ARGS)
+	$(PY) -m tools.soak $(SOAK_ARGS)
 
 # Overload (docs/reliability.md#overload): fake LLM (1 s) + one server on loopback
 # free ports; a sweep finds the saturating number of users, then 10x as many with
@@ -146,4 +147,4 @@ soak: build
 #   make overload OVERLOAD_ARGS="--phase-s 60 --saturation 128"
 .PHONY: overload
 overload: build
-	$(PY) scripts/overload.py --results $(BUILD)/overload/results.json $(OVERLOAD_ARGS)
+	$(PY) -m tools.overload --results $(BUILD)/overload/results.json $(OVERLOAD_ARGS)

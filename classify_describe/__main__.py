@@ -61,7 +61,7 @@ def format_text(path, result):
         lines.append(f"  fallback reason: {usage['fallback_reason']}")
     cost = usage.get("cost_usd")
     lines.append(f"  tokens {usage.get('total_tokens', 0)}  cost "
-                 f"{'$%.6f' % cost if cost is not None else 'n/a'}  latency {result.latency_ms:.0f} ms")
+                 f"{f'${cost:.6f}' if cost is not None else 'n/a'}  latency {result.latency_ms:.0f} ms")
     return "\n".join(lines)
 
 

@@ -6,4 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 .venv/bin/hadolint Dockerfile
+.venv/bin/ruff check .  # configured in pyproject.toml
 .venv/bin/python -m pytest tests "$@"

@@ -19,9 +19,9 @@
 #                         generated at every start into build/admin-key (mode 0600;
 #                         TRITON_ADMIN_KEY_GENERATED_FILE moves it). Inference, health,
 #                         metadata, config and statistics stay open. The restriction
-#                         itself is always on: scripts/supervise_tritonserver.sh.
+#                         itself is always on: serving/supervise_tritonserver.sh.
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
-#                         see scripts/supervise_tritonserver.sh and docs/reliability.md
+#                         see serving/supervise_tritonserver.sh and docs/reliability.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -85,4 +85,4 @@ export TRITON_ADMIN_KEY_GENERATED_FILE="${TRITON_ADMIN_KEY_GENERATED_FILE:-$PWD/
 # The admin key and the restricted APIs, the watchdog, the READY line and a
 # clean stop on Ctrl-C/TERM are the supervisor's, shared with the container
 # (Dockerfile CMD, deploy/).
-exec scripts/supervise_tritonserver.sh "$triton_home/bin/tritonserver" "${args[@]}"
+exec serving/supervise_tritonserver.sh "$triton_home/bin/tritonserver" "${args[@]}"

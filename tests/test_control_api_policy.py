@@ -24,9 +24,17 @@ import time
 
 import pytest
 
-from scripts import local_stack
-from tests.test_deploy_manifests import (DEPLOY, OVERLAYS, SUPERVISOR, dockerfile_cmd, load_docs, render,
-                                         server_container)
+from serving import procfs
+from tests.test_deploy_manifests import (
+    DEPLOY,
+    OVERLAYS,
+    SUPERVISOR,
+    dockerfile_cmd,
+    load_docs,
+    render,
+    server_container,
+)
+from tools import local_stack
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RESTRICTED = {"model-repository", "shared-memory", "logging", "trace"}
@@ -97,12 +105,12 @@ class Run:
 
     @staticmethod
     def _watchdog_env(supervisor_pid):
-        for pid in local_stack.process_tree(supervisor_pid)[1:]:
+        for pid in procfs.process_tree(supervisor_pid)[1:]:
             try:
                 argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(b"hardening_watchdog.py") for arg in argv):
+            if b"serving.stub_watchdog" in argv:
                 return environ(pid)
         return None
 
@@ -147,7 +155,7 @@ def stand_in(tmp_path):
 def supervised(command, env, tmp_path, stand_in):
     """Run a container command (supervisor path as in the image) on this machine."""
     assert command[:2] == [SUPERVISOR, "tritonserver"], command[:2]
-    command = [str(REPO / "scripts/supervise_tritonserver.sh"), *command[1:]]
+    command = [str(REPO / "serving/supervise_tritonserver.sh"), *command[1:]]
     env = {"PATH": f"{stand_in}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), **env}
     return Run(command, env, tmp_path / "received.json", tmp_path / "supervisor.log")
 
@@ -223,7 +231,7 @@ def test_a_key_from_the_environment_is_used_and_kept_from_the_server(tmp_path, s
 def refused_start(tmp_path, stand_in, env):
     """Run the supervisor expecting it to refuse; (status, stderr). Whatever it
     started instead is stopped with its process group."""
-    process = subprocess.Popen([str(REPO / "scripts/supervise_tritonserver.sh"), *dockerfile_cmd()[1:]],
+    process = subprocess.Popen([str(REPO / "serving/supervise_tritonserver.sh"), *dockerfile_cmd()[1:]],
                                env={"PATH": f"{stand_in}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), **env},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -261,8 +269,8 @@ def checkout_with_a_stand_in(tmp_path):
     outputs are present and build/triton/.../tritonserver is the stand-in."""
     tree = tmp_path / "checkout"
     (tree / "scripts").mkdir(parents=True)
-    for name in ("serve.sh", "supervise_tritonserver.sh", "hardening_watchdog.py", "local_stack.py", "__init__.py"):
-        shutil.copy2(REPO / "scripts" / name, tree / "scripts" / name)
+    shutil.copy2(REPO / "scripts/serve.sh", tree / "scripts/serve.sh")
+    shutil.copytree(REPO / "serving", tree / "serving", ignore=shutil.ignore_patterns("__pycache__"))
     (tree / ".venv").symlink_to(REPO / ".venv")
     write_stand_in(tree / "build/triton/pytriton/tritonserver/bin/tritonserver", tmp_path / "received.json")
     (tree / "build/backends/python").mkdir(parents=True)

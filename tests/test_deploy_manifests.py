@@ -229,21 +229,19 @@ def test_servicemonitor_and_adapter_rule_match_the_deployment():
 
 # -- what must agree across files ---------------------------------------------
 
-SUPERVISOR = "/opt/classify_describe/scripts/supervise_tritonserver.sh"
+SUPERVISOR = "/opt/classify_describe/serving/supervise_tritonserver.sh"
 
 
 def test_the_image_holds_the_supervisor_and_what_it_runs():
-    """The Dockerfile copies the supervisor, the watchdog and its one import to
-    where CMD and deploy/ call them (WORKDIR /opt/classify_describe)."""
+    """The Dockerfile copies serving/ (the supervisor, the watchdog and the one
+    module it imports) to where CMD and deploy/ call it (WORKDIR
+    /opt/classify_describe); tests/test_layout.py keeps serving/ free of
+    imports from the rest of the repository."""
     text = (REPO / "Dockerfile").read_text()
     assert "WORKDIR /opt/classify_describe" in text
-    copied = next(line for line in text.replace("\\\n", " ").splitlines()
-                     if line.startswith("COPY") and "supervise_tritonserver.sh" in line).split()
-    assert copied[-1] == "scripts/"
-    for name in ("__init__.py", "supervise_tritonserver.sh", "hardening_watchdog.py", "local_stack.py"):
-        assert f"scripts/{name}" in copied, f"the image lacks scripts/{name}"
-    imports = re.findall(r"^from scripts\.(\w+) import", (REPO / "scripts/hardening_watchdog.py").read_text(), re.M)
-    assert set(imports) <= {"local_stack"}, f"the watchdog imports {imports}; copy them into the image"
+    assert "COPY serving/ serving/" in text.splitlines()
+    for name in ("supervise_tritonserver.sh", "stub_watchdog.py", "procfs.py", "__init__.py"):
+        assert (REPO / "serving" / name).exists(), f"serving/{name} is missing"
 
 
 def dockerfile_cmd():
@@ -433,12 +431,12 @@ def pbtxt_without_instance_groups(text):
     text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
     start = text.find("instance_group")
     if start >= 0:
-        depth, index = 0, text.index("[", start)
-        for index in range(index, len(text)):
-            depth += {"[": 1, "]": -1}.get(text[index], 0)
+        depth, end = 0, text.index("[", start)
+        for end in range(end, len(text)):  # noqa: B020 (the loop resumes from where the search began)
+            depth += {"[": 1, "]": -1}.get(text[end], 0)
             if depth == 0:
                 break
-        text = text[:start] + text[index + 1:]
+        text = text[:start] + text[end + 1:]
     return " ".join(text.split())
 
 

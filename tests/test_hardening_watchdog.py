@@ -1,4 +1,4 @@
-"""scripts/hardening_watchdog.py on stand-in processes: a "server" whose child
+"""serving/stub_watchdog.py on stand-in processes: a "server" whose child
 carries a Python stub's command line. The watchdog must reload the model when
 that child dies, and must survive a server that answers badly meanwhile."""
 
@@ -12,11 +12,10 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from serving import stub_watchdog as watchdog_module
+from serving.procfs import children
 
-from scripts import hardening_watchdog as watchdog_module  # noqa: E402
-from scripts.local_stack import children  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # argv[0] ends with the stub's name and argv[8] is the instance, as for a real stub.
 STAND_IN = ('exec -a /opt/tritonserver/backends/python/triton_python_backend_stub '

@@ -1,5 +1,5 @@
 """scripts/serve.sh (what `make run` runs) says clearly why it cannot start, and
-scripts/supervise_tritonserver.sh (what serve.sh execs and the container runs)
+serving/supervise_tritonserver.sh (what serve.sh execs and the container runs)
 announces readiness, runs the stub watchdog and forwards TERM."""
 
 import os
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from serving import procfs
+from tools import local_stack
 
-from scripts import local_stack  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_a_taken_port_is_named_with_a_way_out(tmp_path):
@@ -41,7 +41,7 @@ def test_a_missing_build_says_to_run_make_build(tmp_path):
     assert "is missing; run `make build` first" in run.stderr
 
 
-# -- scripts/supervise_tritonserver.sh: what serve.sh execs and the container runs --
+# -- serving/supervise_tritonserver.sh: what serve.sh execs and the container runs --
 
 FAKE_SERVER = r'''
 import http.server, signal, sys, threading
@@ -94,7 +94,7 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
     marker = tmp_path / "got_term"
     (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
     supervisor = subprocess.Popen(
-        [str(REPO / "scripts/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
+        [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
          str(marker), f"--http-port={http_port}", "--grpc-port=7001", "--metrics-port=7002", *address_flags],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})
@@ -108,7 +108,7 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
                 break
         http_at, grpc_at, metrics_at = shown
         assert f"HTTP {http_at}:{http_port}  gRPC {grpc_at}:7001  metrics http://{metrics_at}:7002/metrics" in line
-        watchdogs = [pid for pid in local_stack.children(supervisor.pid) if "hardening_watchdog.py" in cmdline(pid)]
+        watchdogs = [pid for pid in procfs.children(supervisor.pid) if "serving.stub_watchdog" in cmdline(pid)]
         assert len(watchdogs) == 1, "the stub watchdog runs beside the server"
         watchdog_cmdline = cmdline(watchdogs[0]).split("\0")
         assert f"{reached}:{http_port}" in watchdog_cmdline, "the watchdog talks to the server's HTTP port"
@@ -134,7 +134,7 @@ def test_a_term_at_any_moment_of_startup_leaves_nothing_running(tmp_path):
             probe.bind(("127.0.0.1", 0))
             http_port = probe.getsockname()[1]
         supervisor = subprocess.Popen(
-            [str(REPO / "scripts/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
+            [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
              str(tmp_path / "got_term"), f"--http-port={http_port}"],
             stderr=subprocess.DEVNULL, start_new_session=True,
             env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})

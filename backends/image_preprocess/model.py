@@ -4,16 +4,12 @@ Owns the tensor names and every pb_utils call; the decoding rules live in image_
 """
 
 import json
-import os
-import sys
 import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from PIL import Image
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings  # noqa: E402
+from PIL import Image
 
 INPUT_NAME = "IMAGE"
 OUTPUT_NAME = "PIXELS"

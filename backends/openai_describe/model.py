@@ -15,7 +15,6 @@ import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
 from describer import NO_KEY_HELP, Cancelled, Describer, Job, Observer, make_client
 from prompting import PromptError, read_labels, read_prompt
 from scrubbing import Scrubber

@@ -6,14 +6,11 @@ one forward pass; a request with unusable pixels fails alone.
 
 import json
 import os
-import sys
 import traceback
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from classifier import ClassifierSettings, ConfigError, TorchScriptClassifier, load_labels  # noqa: E402
 
 INPUT_NAME = "PIXELS"

@@ -1,7 +1,7 @@
 """One real tritonserver per test session, on free ports, on the committed
 model_repository/, started by the same scripts/serve.sh users run; its LLM
-step points at the fake OpenAI-compatible upstream in tests/fake_openai.
-The processes are scripts/local_stack.py's; here they become pytest fixtures,
+step points at the fake OpenAI-compatible upstream in tools/fake_openai.
+The processes are tools/local_stack.py's; here they become pytest fixtures,
 and a start that fails becomes pytest.fail with the log tail."""
 
 import contextlib
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from scripts.local_stack import FakeLLM, NotReady, TritonServer
+from tools.local_stack import FakeLLM, NotReady, TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Scanned for in every log, output and metric: it must never show up.

@@ -1,4 +1,4 @@
-"""The benchmark scripts run end to end on a tiny setting: `scripts/bench/run.py
+"""The benchmark scripts run end to end on a tiny setting: `tools/bench/run.py
 --mode smoke` starts its own fake upstream and tritonserver on free ports,
 drives every figure (perf_analyzer, the in-process baseline, the Python
 clients, one tuning reload), writes a report and its plots, and stops what it
@@ -22,7 +22,7 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
         pytest.fail(f"{PERF_ANALYZER} is missing: run `make perf-analyzer` (the benchmarks need it)")
     report, plots, results = tmp_path / "benchmarks.md", tmp_path / "plots", tmp_path / "results.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts/bench/run.py"), "--mode", "smoke", "--out", str(report),
+        [sys.executable, "-m", "tools.bench.run", "--mode", "smoke", "--out", str(report),
          "--plots", str(plots), "--results", str(results)],
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"bench smoke run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"

@@ -1,7 +1,7 @@
 """The `classify` ensemble (preprocess -> classifier) on the real tritonserver.
 
 Uses the session fixtures `triton` and `photos` from conftest.py; answers are compared
-with the eager PyTorch reference in tests/reference.py.
+with the eager PyTorch reference in tools/reference.py.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.reference import bad_images, reference_top5
+from tools.reference import bad_images, reference_top5
 
 BAD_IMAGES = bad_images()
 

@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from scripts.local_stack import TritonServer
+from tools.local_stack import TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "describe"

@@ -2,25 +2,22 @@
 valid traffic flows, LLM faults under load and how fast the circuit closes
 again, prompt injection, the limits as a client sees them, client retries, and
 a scan for the key after all of it. The generators and the load loop are the
-ones `make soak` uses (scripts/soak.py)."""
+ones `make soak` uses (tools/soak.py)."""
 
 import asyncio
 import json
 import pathlib
 import socket
-import sys
 import time
 import uuid
 
 import pytest
+from settings import DEFAULT_SYSTEM_PROMPT
 
 from classify_describe import AsyncClient, Client, TritonRequestError
+from tools import soak
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "backends/openai_describe"))
-import soak  # noqa: E402
-from settings import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 # Its own upstream model name (allowed by the committed `gpt-4o-mini*`), so the
 # circuit this file opens is not the one other tests use.
@@ -90,7 +87,7 @@ def test_llm_faults_under_load_then_the_circuit_closes(triton, photos, llm, test
         loop = asyncio.get_running_loop()
         await asyncio.sleep(1)
         for mode, options in faults:
-            await loop.run_in_executor(None, lambda: llm.admin("mode", {"mode": mode, **options}))
+            await loop.run_in_executor(None, lambda: llm.admin("mode", {"mode": mode, **options}))  # noqa: B023 (awaited here)
             await asyncio.sleep(3.5)
             if mode == "refuse":
                 await asyncio.sleep(0.5)  # the admin API listens again after duration_s
@@ -150,8 +147,8 @@ def test_limits_answer_invalid_arg_naming_the_limit(triton, photos, protocol):
                 client.infer(photos["coffee"], prompt=prompt, parameters=parameters)
             assert words in str(error.value)
             SEEN.append(str(error.value))
-    import tritonclient.http as httpclient
     import numpy as np
+    import tritonclient.http as httpclient
 
     raw = httpclient.InferenceServerClient(triton.http_url)
     image = httpclient.InferInput("IMAGE", [1, 1], "BYTES")

@@ -1,4 +1,4 @@
-"""`make soak` in small (scripts/soak.py --duration-s 40): its own fake upstream and
+"""`make soak` in small (tools/soak.py --duration-s 40): its own fake upstream and
 server, every phase (steady + hostile corpus, LLM faults and recovery, version
 swap, stub SIGKILL, restart with retrying clients), then the verdict: no valid
 request lost, failures only while the killed stub was down, every hostile
@@ -20,7 +20,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 def test_short_soak_with_every_fault(tmp_path):
     report_path = tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, str(REPO / "scripts/soak.py"), "--duration-s", "40", "--concurrency", "6",
+        [sys.executable, "-m", "tools.soak", "--duration-s", "40", "--concurrency", "6",
          "--min-phase-s", "3", "--report", str(report_path), "--workdir", str(tmp_path / "work")],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert report_path.exists(), run.stderr[-3000:]

@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 
-from scripts.local_stack import rss_mb
+from serving.procfs import rss_mb
 
 from .public_models import MODELS, lying_bytes
 from .raw_infer import Answer, GrpcInfer, Tensor, fp32_tensor, http_infer

@@ -36,8 +36,9 @@ def http_get(url):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_subset_of_outputs(triton, valid_requests, model, protocol):
     grpc = GrpcInfer(triton.grpc_url)
-    infer = (lambda outputs: http_infer(triton.http_url, model, valid_requests.inputs(model), outputs)
-             if protocol == "http" else grpc(model, valid_requests.inputs(model), outputs))
+    def infer(outputs):
+        return (http_infer(triton.http_url, model, valid_requests.inputs(model), outputs)
+                 if protocol == "http" else grpc(model, valid_requests.inputs(model), outputs))
     try:
         names = output_names(triton, model)
         full = infer(None)

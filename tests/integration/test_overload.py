@@ -1,4 +1,4 @@
-"""Admission control, short version of `make overload` (scripts/overload.py;
+"""Admission control, short version of `make overload` (tools/overload.py;
 full figures in docs/reliability.md#overload): with more users than the
 front queue holds (128 waiting at preprocess), the excess is refused with
 UNAVAILABLE (`Exceeds maximum queue size`), which the users retry with back-off; nothing is lost and
@@ -6,7 +6,7 @@ the server stays ready."""
 
 import asyncio
 
-from scripts.overload import phase
+from tools.overload import phase
 
 SATURATION_USERS = 4
 OVERLOAD_USERS = 200  # beyond the 128 that preprocess queues plus its instances

@@ -24,9 +24,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from scripts.local_stack import stub_pid, tritonserver_pid
+from serving.procfs import stub_pid, tritonserver_pid
 
 from .conftest import running_triton
+
 
 @pytest.fixture(scope="module")
 def server(fake_llm, tmp_path_factory):

@@ -90,7 +90,7 @@ class ResponseSender:
 
     def wait(self, timeout=10.0):
         if not self._done.wait(timeout):
-            raise TimeoutError("no final response within %.1fs" % timeout)
+            raise TimeoutError(f"no final response within {timeout:.1f}s")
         return self.responses[0]
 
 

@@ -1,4 +1,4 @@
-"""scripts/bench/harness.perf_analyzer against a stand-in executable that replays
+"""tools/bench/harness.perf_analyzer against a stand-in executable that replays
 what perf_analyzer printed in a failed CI run: a window too short for a loaded
 machine is retried with a longer one, and any other failure is raised."""
 
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from scripts.bench import harness
+from tools.bench import harness
 
 UNSTABLE = ("WARNING: Pass contained only one request, so sample latency standard deviation will be infinity\n"
             "Failed to obtain stable measurement within 3 measurement windows for concurrency 2.\n")

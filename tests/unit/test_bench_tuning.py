@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from scripts.bench import run
+from tools.bench import run
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classifier/config.pbtxt"
 

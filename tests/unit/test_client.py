@@ -179,7 +179,7 @@ def test_infer_many_takes_images_only_as_the_window_frees(stand_in):
     async def run():
         seen_when_answered = []
         async with AsyncClient(stand_in.url, concurrency=2, timeout_s=5) as client:
-            async for index, outcome in client.infer_many(images()):
+            async for _index, outcome in client.infer_many(images()):
                 assert isinstance(outcome, Result)
                 seen_when_answered.append(len(taken))
         return seen_when_answered

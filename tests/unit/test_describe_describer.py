@@ -1,21 +1,19 @@
 """The LLM call and its resilience, over real HTTP against the fake upstream
-(tests/fake_openai) on 127.0.0.1, with the real openai SDK."""
+(tools/fake_openai) on 127.0.0.1, with the real openai SDK."""
 
 import asyncio
 import pathlib
-import sys
 import time
 
 import pytest
+from describer import Cancelled, Describer, Job, Observer, make_client
 from openai.types.chat import ChatCompletion
+from scrubbing import Scrubber
+from settings import parse_settings
+
+from tools.fake_openai import FakeOpenAI
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "backends/openai_describe"))
-from describer import Cancelled, Describer, Job, Observer, make_client  # noqa: E402
-from scrubbing import Scrubber  # noqa: E402
-from settings import parse_settings  # noqa: E402
-from tests.fake_openai import FakeOpenAI  # noqa: E402
 
 KEY = "sk-unit-DO-NOT-LEAK-1234567890"
 FAST = {"timeout_s": "2", "backoff_base_s": "0.01", "backoff_max_s": "0.05", "cancel_poll_s": "0.05",
@@ -349,7 +347,7 @@ def test_a_billed_empty_answer_counts_in_usage_and_metrics():
 
         task = asyncio.create_task(d.describe(job("only empty answers")))
         for n in (3, 4, 5):
-            await until(lambda: len(client.calls) == n)
+            await until(lambda: len(client.calls) == n)  # noqa: B023 (awaited here)
             client.calls[-1].set_result(completion("  ", 40, 2))
         r = await task
         assert r.source == "fallback" and r.usage.fallback_reason == "malformed_response"

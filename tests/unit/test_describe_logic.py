@@ -3,16 +3,13 @@ secret scrubbing, prompts and fallback text."""
 
 import email.utils
 import json
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "backends/openai_describe"))
-from accounting import Usage, cost_usd  # noqa: E402
-from llm_cache import LRUCache, cache_key  # noqa: E402
-from prompting import build_messages, fallback_description  # noqa: E402
-from resilience import CircuitBreaker, backoff_delay, classify_status, parse_retry_after  # noqa: E402
-from scrubbing import Scrubber  # noqa: E402
-from settings import parse_settings  # noqa: E402
+from accounting import Usage, cost_usd
+from llm_cache import LRUCache, cache_key
+from prompting import build_messages, fallback_description
+from resilience import CircuitBreaker, backoff_delay, classify_status, parse_retry_after
+from scrubbing import Scrubber
+from settings import parse_settings
 
 
 class Clock:

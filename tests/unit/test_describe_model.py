@@ -5,17 +5,15 @@ the no-key warning, and an orderly finalize."""
 import importlib.util
 import json
 import pathlib
-import sys
 import threading
 
 import numpy as np
 import pytest
 
+from tools.fake_openai import ThreadedFakeOpenAI
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BACKEND = ROOT / "backends/openai_describe"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BACKEND))
-from tests.fake_openai import ThreadedFakeOpenAI  # noqa: E402
 
 KEY = "sk-adapter-DO-NOT-LEAK-0987654321"
 
@@ -41,7 +39,7 @@ def make_model(monkeypatch, base_url, key=KEY, **params):
 
 
 def request(pb_utils, labels=("tabby, tabby cat", "tiger cat"), scores=(0.7, 0.2), prompt=None, parameters=None):
-    inputs = {"LABELS": np.array([[l.encode() for l in labels]], dtype=np.object_),
+    inputs = {"LABELS": np.array([[label.encode() for label in labels]], dtype=np.object_),
               "SCORES": np.array([scores], dtype=np.float32)}
     if prompt is not None:
         inputs["PROMPT"] = np.array([[prompt.encode()]], dtype=np.object_)

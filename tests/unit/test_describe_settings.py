@@ -1,12 +1,8 @@
 """Settings parsing, per-request overrides and where the API key comes from."""
 
-import pathlib
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "backends/openai_describe"))
-from settings import SettingsError, parse_settings  # noqa: E402
+from settings import SettingsError, parse_settings
 
 
 def test_defaults_point_at_openai():

@@ -10,15 +10,14 @@ import sys
 
 import numpy as np
 import pytest
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings
 from PIL import Image, ImageFile
+
+from tools.reference import bad_images, png_with_header_size
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BACKEND = REPO / "backends" / "image_preprocess"
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
-sys.path.insert(0, str(BACKEND))
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings  # noqa: E402
-
-from tests.reference import bad_images, png_with_header_size  # noqa: E402
 
 pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
 
@@ -195,8 +194,9 @@ def test_exif_orientation_is_applied(preprocessor, orientation, size, top_left_c
 
 
 def test_transform_matches_the_reference_definition(preprocessor):
-    from tests.reference import reference_pixels
     from skimage import data_dir
+
+    from tools.reference import reference_pixels
 
     data = (pathlib.Path(data_dir) / "chelsea.png").read_bytes()
     assert np.array_equal(preprocessor(data), reference_pixels(data))

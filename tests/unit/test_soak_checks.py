@@ -1,4 +1,4 @@
-"""The verdict of `make soak` (scripts/soak.py), without a server: each test
+"""The verdict of `make soak` (tools/soak.py), without a server: each test
 injects one failure into what a run observes (the metrics page at the end, the
 fake upstream's record of Authorization headers, a valid request that gets no
 valid answer, a secret in one client output among many) and checks that
@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 
 from classify_describe import Result, TritonRequestError
-from scripts import soak
-from scripts.local_stack import http_json
-from tests.fake_openai.server import ThreadedFakeOpenAI
+from serving.procfs import http_json
+from tools import soak
+from tools.fake_openai.server import ThreadedFakeOpenAI
 
 LLM_KEY = "sk-soak-" + "3f" * 12
 ADMIN_KEY = "adm-soak-" + "9c" * 12

@@ -1,7 +1,7 @@
 """backends/torchscript_classifier without a server: load-time checks, batching, top-k.
 
 The end-to-end checks use the exported EfficientNet-Lite0 (`make build`) and compare the
-preprocess + classifier adapters with the eager PyTorch reference in tests/reference.py.
+preprocess + classifier adapters with the eager PyTorch reference in tools/reference.py.
 """
 
 import importlib.util
@@ -203,7 +203,6 @@ def real_pipeline():
     classifier = make_model(CLASSIFIER_DIR, model_config({"torch_num_threads": "2"}))
     preprocess = preprocess_model.TritonPythonModel()
     preprocess_dir = REPO / "model_repository" / "preprocess"
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from test_image_preprocess import model_config as preprocess_config
 
     preprocess.initialize({"model_config": json.dumps(preprocess_config()), "model_name": "preprocess",
@@ -224,7 +223,7 @@ def photos():
     ("coffee", {"espresso"}),
 ])
 def test_top5_matches_the_eager_reference(real_pipeline, photos, name, expected_top):
-    from tests.reference import reference_top5
+    from tools.reference import reference_top5
 
     preprocess, classifier = real_pipeline
     pixels = preprocess.execute([pb_utils.InferenceRequest({"IMAGE": np.array([[photos[name]]], dtype=np.object_)})])[0]

@@ -5,19 +5,16 @@ the same torch threads, at the batch sizes the server's dynamic batcher forms.
 Also the forward pass alone. It runs in its own process so that its torch
 threads are set exactly as in the classifier model's stub.
 
-usage: python scripts/bench/inprocess.py JPEG... --batch-sizes 1,2,4 --duration-s 5 [--threads 2]
+usage: python -m tools.bench.inprocess JPEG... --batch-sizes 1,2,4 --duration-s 5 [--threads 2]
 prints one JSON object: {"e2e": {batch: img/s}, "forward": {batch: img/s}, ...}
 """
 
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "backends/image_preprocess"))
-sys.path.insert(0, str(REPO / "backends/torchscript_classifier"))
 
 
 def _rate(step, images_per_step, duration_s, min_steps=3):
@@ -43,8 +40,13 @@ def main(argv=None):
 
     import numpy as np
     import torch
-    from classifier import TorchScriptClassifier, load_labels
-    from image_decode import ImagePreprocessor, PreprocessSettings
+
+    from tools.backend_code import load
+
+    TorchScriptClassifier = load("torchscript_classifier", "classifier").TorchScriptClassifier
+    load_labels = load("torchscript_classifier", "classifier").load_labels
+    image_decode = load("image_preprocess", "image_decode")
+    ImagePreprocessor, PreprocessSettings = image_decode.ImagePreprocessor, image_decode.PreprocessSettings
 
     # As backends/torchscript_classifier/model.py does with torch_num_threads.
     torch.set_num_threads(args.threads)

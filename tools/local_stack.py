@@ -1,20 +1,14 @@
 """Start and stop the local stack on free loopback ports: the fake LLM upstream
-(tests/fake_openai) and tritonserver via scripts/serve.sh; everything is
+(tools/fake_openai) and tritonserver via scripts/serve.sh; everything is
 stopped by its PID, never by name (other servers may run on this machine).
 
 One implementation shared by the integration tests (tests/integration/
-conftest.py), the benchmarks (scripts/bench/), `make soak`, `make rehearse`,
-scripts/bench_describe.py and the stub watchdog. Standard library only: the
-watchdog runs it under whatever python3 the supervisor finds (the
-container's system Python too).
+conftest.py), the benchmarks (tools/bench/), `make soak`, `make rehearse`,
+`make overload` and tools/bench_describe.py. The /proc and HTTP helpers it
+uses ship in the image with the stub watchdog (serving/procfs.py)."""
 
-Import it as `scripts.local_stack` with the repository root on sys.path (the
-scripts insert it, as they do for classify_describe)."""
-
-import json
 import os
 import pathlib
-import re
 import shutil
 import signal
 import socket
@@ -22,6 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+from serving.procfs import http_json
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SERVE_SH = REPO / "scripts/serve.sh"
@@ -39,16 +35,6 @@ def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def http_json(url, payload=None, timeout=10, headers=None):
-    """GET (no payload) or POST JSON; the decoded answer, or None for an empty body."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read()
-    return json.loads(body) if body else None
 
 
 def log_tail(path, lines=60):
@@ -75,101 +61,6 @@ def stop_process(process, grace_s=60):
     return process.returncode
 
 
-# -- /proc: a server's process tree ---------------------------------------------------
-
-def children(pid):
-    """Direct children of pid (tritonserver's are its Python stub processes)."""
-    found = set()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found.update(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return found
-
-
-def process_tree(pid):
-    """pid and all its descendants, pid first."""
-    seen, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        seen.append(current)
-        todo.extend(children(current))
-    return seen
-
-
-STUB_NAME = "triton_python_backend_stub"
-INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
-# Instance stubs are named <model>_<group>_<instance>. A stub named after the
-# model alone only checks the config during a load and exits by design.
-INSTANCE_RE = re.compile(r"^(.+)_\d+_\d+$")
-
-
-def process_state(pid):
-    """'Z' for a zombie, another letter when alive, None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def stub_instance(pid):
-    """The instance a Python stub process serves (`<model>_<group>_<instance>`),
-    or None for any other process."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return None
-    if not argv or not argv[0].endswith(STUB_NAME.encode()) or len(argv) <= INSTANCE_ARG:
-        return None
-    instance = argv[INSTANCE_ARG].decode(errors="replace")
-    return instance if INSTANCE_RE.match(instance) else None
-
-
-def model_of(instance):
-    return INSTANCE_RE.match(instance).group(1)  # a model name may itself contain "_"
-
-
-def tritonserver_pid(root_pid):
-    """The tritonserver process under root_pid (serve.sh / the supervisor), or None."""
-    for pid in process_tree(root_pid)[1:]:
-        try:
-            if os.path.basename(os.readlink(f"/proc/{pid}/exe")) == "tritonserver":
-                return pid
-        except OSError:
-            continue
-    return None
-
-
-def stub_pid(server_pid, instance):
-    """The Python stub process of tritonserver serving `instance`, or None."""
-    for pid in children(server_pid):
-        if stub_instance(pid) == instance:
-            return pid
-    return None
-
-
-def rss_mb(pid):
-    """Sum of VmRSS over pid and its descendants, in MB (zombies count 0)."""
-    total_kb = 0
-    for member in process_tree(pid):
-        try:
-            with open(f"/proc/{member}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total_kb += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total_kb / 1024, 1)
-
-
 # -- the processes ----------------------------------------------------------------------
 
 def _wait_listening(port, process, log_path, timeout_s, what):
@@ -188,7 +79,7 @@ def _wait_listening(port, process, log_path, timeout_s, what):
 
 
 class FakeLLM:
-    """tests/fake_openai as its own process, listening when the constructor
+    """tools/fake_openai as its own process, listening when the constructor
     returns; driven through its admin API (mode, latency, stats, reset)."""
 
     def __init__(self, log_path, latency_ms=0.0, ready_timeout_s=30):
@@ -196,7 +87,7 @@ class FakeLLM:
         self.log_path = pathlib.Path(log_path)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.fake_openai", "--host", "127.0.0.1",
+                [sys.executable, "-m", "tools.fake_openai", "--host", "127.0.0.1",
                  "--port", str(self.port), "--latency-ms", str(latency_ms)],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -226,7 +117,7 @@ class TritonServer:
     removes that variable. The ports stay the same for the handle's life, so
     start() after stop() is a restart on the same ports.
 
-    The control APIs are always restricted (scripts/supervise_tritonserver.sh).
+    The control APIs are always restricted (serving/supervise_tritonserver.sh).
     Each server gets its own random TRITON_ADMIN_KEY unless env gives one, or
     gives TRITON_ADMIN_KEY=None: then the supervisor generates it into
     TRITON_ADMIN_KEY_GENERATED_FILE (default <workdir>/admin-key, never the

@@ -1,7 +1,7 @@
 """Bounded soak with fault injection (`make soak`; docs/reliability.md).
 
 Starts, on loopback and free ports, the fake OpenAI-compatible upstream
-(tests/fake_openai) and one tritonserver through scripts/serve.sh (stub
+(tools/fake_openai) and one tritonserver through scripts/serve.sh (stub
 watchdog on, TRITON_ADMIN_KEY set), then keeps `--concurrency` valid
 classify_and_describe requests in flight (distinct prompts, so every one calls
 the upstream) for `--duration-s` while it, in order:
@@ -56,11 +56,11 @@ import urllib.request
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from classify_describe import AsyncClient, TritonRequestError
+from serving.procfs import http_json, rss_mb, stub_pid, tritonserver_pid
+from tools.local_stack import FakeLLM, TritonServer
 
-from classify_describe import AsyncClient, TritonRequestError  # noqa: E402
-from scripts.local_stack import FakeLLM, TritonServer, http_json, rss_mb, stub_pid, tritonserver_pid  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 ENSEMBLE = "classify_and_describe"
 
@@ -184,6 +184,10 @@ def answer_problem(result, number):
     return None
 
 
+def _quantile(ordered, q):
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else None
+
+
 class Tally:
     """Every valid request's fate, by phase: a valid answer (llm or fallback),
     failed (an error answer, with its message), or lost (no valid answer). Every
@@ -249,10 +253,8 @@ class Tally:
         out = {}
         for phase, row in self.by_phase.items():
             latencies = sorted(row["latency_ms"])
-            pick = (lambda q: round(latencies[min(len(latencies) - 1, int(q * len(latencies)))], 1)
-                    if latencies else None)
             out[phase] = {k: v for k, v in row.items() if k != "latency_ms"}
-            out[phase].update(p50_ms=pick(0.5), p99_ms=pick(0.99))
+            out[phase].update(p50_ms=_quantile(latencies, 0.5), p99_ms=_quantile(latencies, 0.99))
         return out
 
 
@@ -319,12 +321,12 @@ def _prompt(data):
 
 def hostile_corpus(images, seed=0):
     """At least 200 malformed requests, generated (seeded, reproducible)."""
-    from tests.reference import bad_images, png_with_header_size
+    from tools.reference import bad_images, png_with_header_size
 
     rng = np.random.default_rng(seed)
     cat, coffee = images["chelsea"], images["coffee"]
     cases = []
-    for name, (data, words) in bad_images().items():
+    for name, (data, _words) in bad_images().items():
         cases.append(Case(f"bad_image:{name}", "image", inputs=[_image(data)], mention=None))
     for i in range(60):  # random bytes of random sizes
         size = int(rng.choice([1, 2, 7, 64, 512, 4096, 65536, 300000]))
@@ -332,7 +334,7 @@ def hostile_corpus(images, seed=0):
         if i % 5 == 0:  # random bytes behind a real signature
             data = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff\xe0", b"GIF89a", b"RIFF\x00\x00\x00\x00WEBP")[i % 4] + data
         cases.append(Case(f"random_bytes:{i}:{len(data)}", "image", inputs=[_image(data)]))
-    for i, cut in enumerate(np.linspace(0.02, 0.97, 20)):  # truncated real photos
+    for cut in np.linspace(0.02, 0.97, 20):  # truncated real photos
         for label, photo in (("chelsea", cat), ("coffee", coffee)):
             cases.append(Case(f"truncated:{label}:{cut:.2f}", "image",
                               inputs=[_image(photo[:int(len(photo) * cut)])]))

@@ -1,4 +1,4 @@
-"""Python-backend stub watchdog for one tritonserver (scripts/supervise_tritonserver.sh
+"""Python-backend stub watchdog for one tritonserver (serving/supervise_tritonserver.sh
 starts it, natively and in the container).
 
 Why: every instance of a Python-based model runs in its own stub process, a
@@ -39,10 +39,7 @@ import sys
 import time
 import urllib.error
 
-# The supervisor runs this file as a script; the /proc helpers are shared with
-# scripts/soak.py through scripts/local_stack.py (standard library only).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from scripts.local_stack import children, http_json, model_of, process_state, stub_instance  # noqa: E402
+from serving.procfs import children, http_json, model_of, process_state, stub_instance
 
 # What a call to the server can raise when it is busy, stopping or restarting
 # (an answer cut short is an http.client.HTTPException, not an OSError).

@@ -32,7 +32,7 @@
 # --metrics-port and --http-address/--grpc-address/--metrics-address (Triton's
 # defaults otherwise: 8000/8001/8002 on 0.0.0.0). Also (all optional):
 #   READY_TIMEOUT=300           seconds to wait for /v2/health/ready before saying so
-#   STUB_WATCHDOG=1             0: no watchdog (see scripts/hardening_watchdog.py)
+#   STUB_WATCHDOG=1             0: no watchdog (see serving/stub_watchdog.py)
 #   STUB_WATCHDOG_INTERVAL_S=1
 # Needs a python3 on PATH (standard library only).
 set -euo pipefail
@@ -64,7 +64,7 @@ server_pid="" watchdog_pid=""
 stop() {
   trap - INT TERM
   # The watchdog reloads nothing from now on, and once the server is gone it
-  # stops any stub process left running (see scripts/hardening_watchdog.py).
+  # stops any stub process left running (see serving/stub_watchdog.py).
   [[ -z "$watchdog_pid" ]] || kill -USR1 "$watchdog_pid" 2>/dev/null || true
   if [[ -n "$server_pid" ]]; then
     echo "serve: stopping tritonserver (pid $server_pid)" >&2
@@ -122,7 +122,7 @@ echo "serve: the ${restricted//,/, } APIs need header 'admin-key' (gRPC:" \
 server_pid=$!
 
 if [[ "${STUB_WATCHDOG:-1}" != "0" ]]; then
-  TRITON_ADMIN_KEY="$admin_key" python3 "$here/hardening_watchdog.py" --server-pid "$server_pid" \
+  TRITON_ADMIN_KEY="$admin_key" PYTHONPATH="$(dirname "$here")" python3 -m serving.stub_watchdog --server-pid "$server_pid" \
     --http-url "$http_host:$http_port" --interval-s "${STUB_WATCHDOG_INTERVAL_S:-1}" &
   watchdog_pid=$!
 fi

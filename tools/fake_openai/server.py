@@ -208,7 +208,7 @@ def _error(status, message, code, headers=None):
 def main(argv=None):
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tests.fake_openai", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tools.fake_openai", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

@@ -13,7 +13,6 @@
 import asyncio
 import pathlib
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -78,9 +77,10 @@ async def run_pattern(pattern, triton_url, llm_base_url, images, prompts, concur
     import tritonclient.http.aio as httpclient
     from openai import AsyncOpenAI
 
-    sys.path.insert(0, str(REPO / "backends/openai_describe"))
-    from prompting import build_messages
-    from settings import Settings
+    from tools.backend_code import load
+
+    build_messages = load("openai_describe", "prompting").build_messages
+    Settings = load("openai_describe", "settings").Settings
 
     settings = Settings()
     triton = httpclient.InferenceServerClient(triton_url, conn_limit=max(100, concurrency * 2),
@@ -122,9 +122,10 @@ async def run_describe_overhead(triton_url, llm_base_url, prompts, count, warmup
     import tritonclient.http.aio as httpclient
     from openai import AsyncOpenAI
 
-    sys.path.insert(0, str(REPO / "backends/openai_describe"))
-    from prompting import build_messages
-    from settings import Settings
+    from tools.backend_code import load
+
+    build_messages = load("openai_describe", "prompting").build_messages
+    Settings = load("openai_describe", "settings").Settings
 
     settings = Settings()
     labels = ["Egyptian cat", "tabby, tabby cat", "tiger cat", "lynx, catamount", "window screen"]

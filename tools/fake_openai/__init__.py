@@ -1,6 +1,6 @@
 """Fake OpenAI-compatible upstream for tests and benchmarks; see server.py.
 
-Standalone:  python -m tests.fake_openai --port 9100 --latency-ms 1000
+Standalone:  python -m tools.fake_openai --port 9100 --latency-ms 1000
 In-process:  fake = FakeOpenAI(port=0); await fake.start(); fake.base_url
 """
 

@@ -6,7 +6,7 @@ ports (a temp copy of model_repository/, so configs can be swapped for the
 tuning sweep), measures every figure side by side on the same machine, stops
 both by PID, and prints the headline ratios.
 
-usage: .venv/bin/python scripts/bench/run.py --mode full|quick|smoke [--out FILE] [--plots DIR]
+usage: .venv/bin/python -m tools.bench.run --mode full|quick|smoke [--out FILE] [--plots DIR]
 """
 
 import argparse
@@ -23,11 +23,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import clients  # noqa: E402
-import harness  # noqa: E402
-import inputs  # noqa: E402
-import report  # noqa: E402
+from tools.bench import clients, harness, inputs, report
 
 REPO = harness.REPO
 
@@ -97,7 +93,7 @@ def other_tritonservers():
 def measure_classification(ctx, p):
     """Figure 1: classify through Triton vs the same work in one process; repeated in turns."""
     pairs = []
-    for repeat in range(p["repeats"]):
+    for _repeat in range(p["repeats"]):
         before = ctx.triton.stats()
         served = ctx.pa("classify", p["classify_c"])
         delta = harness.stats_delta(before, ctx.triton.stats())
@@ -109,7 +105,7 @@ def measure_classification(ctx, p):
 
 
 def run_inprocess(ctx, p):
-    command = [sys.executable, str(REPO / "scripts/bench/inprocess.py"), *map(str, ctx.jpeg_paths),
+    command = [sys.executable, "-m", "tools.bench.inprocess", *map(str, ctx.jpeg_paths),
                "--model-dir", str(ctx.triton.repository / "classifier"), "--batch-sizes", p["inproc_batches"],
                "--duration-s", str(p["inproc_s"]), "--threads", str(ctx.torch_threads)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
@@ -170,12 +166,13 @@ def measure_describe_overhead(ctx, p):
 
 
 def run_bench_describe(ctx, p):
-    """The other engineer's scripts/bench_describe.py, when present and in a full run."""
-    script = REPO / "scripts/bench_describe.py"
+    """The other engineer's tools/bench_describe.py, when present and in a full run."""
+    script = REPO / "tools/bench_describe.py"
     if not script.exists() or ctx.mode != "full":
         return None
     try:
-        done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=420)
+        done = subprocess.run([sys.executable, "-m", "tools.bench_describe"], cwd=REPO, capture_output=True, text=True,
+                              timeout=420)
     except subprocess.TimeoutExpired:
         return {"rc": "timeout", "output": ""}
     return {"rc": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
@@ -384,7 +381,7 @@ def main(argv=None):
             "machine": machine(), "commit": git_commit(), "load_before": harness.load_average(),
             "other_servers": other_tritonservers(), "params": params,
             "command": {"full": "make bench", "quick": "make bench-quick"}.get(mode,
-                                                                               f"scripts/bench/run.py --mode {mode}")}
+                                                                               f"tools/bench/run.py --mode {mode}")}
     log(f"mode {mode}, work dir {workdir}, load average {meta['load_before'][0]:.1f}, "
         f"{meta['other_servers']} other tritonserver(s) running")
     jpegs = inputs.photo_jpegs()

@@ -14,7 +14,7 @@ Verdict (exit 1 if any fails): at overload, the admitted p99 is at most
 `--max-reject-ms` (p99), and nothing is lost.
 
 Without --grpc-url it starts, on loopback and free ports, the fake LLM
-upstream and one tritonserver (scripts/local_stack.py) and stops both by PID.
+upstream and one tritonserver (tools/local_stack.py) and stops both by PID.
 """
 
 import argparse
@@ -29,11 +29,10 @@ import time
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from classify_describe.client import backoff_s  # the clients' own back-off
+from tools.local_stack import FakeLLM, TritonServer
 
-from classify_describe.client import backoff_s  # noqa: E402  (the clients' own back-off)
-from scripts.local_stack import FakeLLM, TritonServer  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 ENSEMBLE = "classify_and_describe"
 # A queue policy's refusal; any other error (UNAVAILABLE included: a model

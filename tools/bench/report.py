@@ -220,7 +220,7 @@ def write(results, out_path, plots_dir):
     load = " / ".join(f"{v:.1f}" for v in meta["load_before"])
     load_after = " / ".join(f"{v:.1f}" for v in meta.get("load_after", (float("nan"),) * 3))
     add("# Benchmarks\n")
-    add(f"Produced by `{meta['command']}` (scripts/bench/run.py, mode `{meta['mode']}`) on {meta['date']}, "
+    add(f"Produced by `{meta['command']}` (tools/bench/run.py, mode `{meta['mode']}`) on {meta['date']}, "
         f"commit `{meta['commit']}`.\n")
     add(f"- Machine: {meta['machine']}.")
     add(f"- Load: 1/5/15-min load average {load} before the run and {load_after} after; "
@@ -230,7 +230,7 @@ def write(results, out_path, plots_dir):
     add(f"- Server: Triton {_version('TRITON_VERSION')} (nvidia-pytriton wheel), started by `scripts/serve.sh` on a "
         f"temp copy of `model_repository/` on free loopback ports (ready in {meta.get('server_startup_s', 0):.0f} s), "
         "with `LLM_CACHE_ENABLED=false` and a distinct `PROMPT` per request, so every request is one upstream call. "
-        "The LLM upstream is `tests/fake_openai` (latency set through its admin API).")
+        "The LLM upstream is `tools/fake_openai` (latency set through its admin API).")
     add(f"- Load generator: NVIDIA perf_analyzer (tritonclient {_version('PERF_ANALYZER_TRITONCLIENT_VERSION')} "
         f"wheel, `make perf-analyzer`), HTTP, real JPEG bytes (scikit-image chelsea 451x300 and coffee 600x400, "
         f"Pillow quality 85) as `--input-data` JSON; {params['trials']} windows of {params['window_ms']} ms per "
@@ -257,8 +257,9 @@ def write(results, out_path, plots_dir):
     c = derived["classification"]
     add("## 1. Classification: Triton vs in-process TorchScript\n")
     add(f"`classify` (IMAGE bytes in, LABELS/SCORES out) under perf_analyzer at concurrency {params['classify_c']}, "
-        "against `scripts/bench/inprocess.py`: the same decode/preprocess code (`backends/image_preprocess`) and "
-        "classifier code (`backends/torchscript_classifier`) in one process, with as many torch threads as the classifier's instances use together "
+        "against `tools/bench/inprocess.py`: the same decode/preprocess code (`backends/image_preprocess`) and "
+        "classifier code (`backends/torchscript_classifier`) in one process, "
+        "with as many torch threads as the classifier's instances use together "
         f"({_threads(results)}), at each batch size up to the largest the server's batcher prefers "
         f"(shipped classifier config: {results['meta'].get('classifier_config', '?')}); the baseline is the best "
         f"of those batch sizes. {params['repeats']} turn(s) of Triton then in-process; the ratio is the median. "
@@ -329,7 +330,7 @@ def write(results, out_path, plots_dir):
     add(f"| **overhead** | **{_f(d['overhead_p50_ms'], 2)}** | {_f(d['overhead_p99_ms'], 2)} |\n")
     if d.get("bench_describe"):
         output = d["bench_describe"]["output"].rstrip()
-        add(f"`scripts/bench_describe.py` (default settings: its own fake upstream and server, upstream latency "
+        add(f"`tools/bench_describe.py` (default settings: its own fake upstream and server, upstream latency "
             f"0 ms and 1 s, 512 in flight) ran in the same run, exit {d['bench_describe']['rc']}:\n")
         table = [line for line in output.splitlines() if line.startswith("|")]
         if table and d["bench_describe"]["rc"] == 0:

@@ -2,7 +2,7 @@
 """Benchmark of the describe model against the fake OpenAI upstream.
 
 For each upstream latency (default 0 ms and 1000 ms) it starts the fake
-(`python -m tests.fake_openai`) and a tritonserver (scripts/serve.sh on a
+(`python -m tools.fake_openai`) and a tritonserver (scripts/serve.sh on a
 temporary repository holding describe, plus the classifier serve.sh checks
 for), then measures:
 
@@ -15,7 +15,7 @@ for), then measures:
 Every request has its own PROMPT and the in-model cache is off
 (LLM_CACHE_ENABLED=false), so each one reaches the upstream.
 
-usage: .venv/bin/python scripts/bench_describe.py [--latencies 0 1000] [--concurrency 512]
+usage: .venv/bin/python -m tools.bench_describe [--latencies 0 1000] [--concurrency 512]
 """
 
 import argparse
@@ -29,10 +29,9 @@ import time
 
 import aiohttp
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from tools.local_stack import FakeLLM, NotReady, TritonServer
 
-from scripts.local_stack import FakeLLM, NotReady, TritonServer  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 LABELS = ["tabby, tabby cat", "tiger cat", "Egyptian cat", "lynx", "Persian cat"]
 SCORES = [0.62, 0.21, 0.09, 0.03, 0.01]
@@ -53,7 +52,7 @@ def triton_payload(prompt):
 
 def direct_payload(prompt):
     # What the describe model sends upstream, near enough in size.
-    labels = "\n".join(f"- {l} ({s:.1%})" for l, s in zip(LABELS, SCORES))
+    labels = "\n".join(f"- {label} ({score:.1%})" for label, score in zip(LABELS, SCORES))
     return {"model": "gpt-4o-mini", "max_tokens": 256, "temperature": 0.2, "messages": [
         {"role": "system", "content": "You describe objects recognised in a photo by an image classifier."},
         {"role": "user", "content": f"{prompt}\n\nThe image classifier's top labels, with confidence:\n{labels}"}]}

@@ -1,5 +1,5 @@
 """Processes a benchmark run needs, each on free loopback ports and stopped by
-its PID: the fake OpenAI-compatible upstream (tests/fake_openai) and a
+its PID: the fake OpenAI-compatible upstream (tools/fake_openai) and a
 tritonserver started by scripts/serve.sh on a temp copy of model_repository/.
 Plus perf_analyzer runs (bounded in time) and Triton's statistics API."""
 
@@ -7,21 +7,20 @@ import csv
 import os
 import pathlib
 import subprocess
-import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # run.py runs with scripts/bench/ on sys.path, not the root
+from serving.procfs import children, http_json, model_of, stub_instance, tritonserver_pid
+from tools.local_stack import FakeLLM as _FakeLLM
+from tools.local_stack import NotReady, TritonServer, free_port, log_tail
 
-from scripts.local_stack import (FakeLLM as _FakeLLM, NotReady, TritonServer, children, free_port,  # noqa: E402
-                                 http_json, log_tail, model_of, stub_instance, tritonserver_pid)
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 PERF_ANALYZER = REPO / "build/perf_analyzer/bin/perf_analyzer"
 BENCH_API_KEY = "sk-bench-not-a-real-key"
 
 
 class FakeLLM(_FakeLLM):
-    """tests/fake_openai as its own process; its latency is changed through its admin API."""
+    """tools/fake_openai as its own process; its latency is changed through its admin API."""
 
     def __init__(self, workdir, latency_ms=0.0):
         super().__init__(pathlib.Path(workdir) / "fake_llm.log", latency_ms)
@@ -120,7 +119,8 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
                 subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
                 break
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n{log_tail(log_path, 40)}")
+                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n"
+                                   f"{log_tail(log_path, 40)}") from None
             except subprocess.CalledProcessError as exc:
                 # Windows too short for the load (a loaded machine, an oversubscribed tuning variant,
                 # a slow LLM): no request finished in one, or only one did, and perf_analyzer calls
@@ -129,7 +129,8 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
                     index = command.index("--measurement-interval") + 1
                     command[index] = str(int(command[index]) * 2)
                     continue
-                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n{log_tail(log_path, 40)}")
+                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n"
+                                   f"{log_tail(log_path, 40)}") from None
     with open(csv_path) as handle:
         row = next(csv.DictReader(handle))
     us = lambda key: float(row[key]) / 1000.0  # noqa: E731
