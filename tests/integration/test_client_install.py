@@ -5,6 +5,7 @@ server."""
 
 import pathlib
 import subprocess
+import uuid
 import venv
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -25,7 +26,10 @@ def test_pip_install_of_the_client_and_its_console_script(triton, photos, tmp_pa
 
     image = tmp_path / "coffee.png"
     image.write_bytes(photos["coffee"])
-    done = subprocess.run([str(env_dir / "bin/classify-describe"), str(image), "--url", triton.http_url, "--json"],
+    # A prompt of its own: an answer cached by another test would carry no tokens.
+    prompt = f"What is it? ({uuid.uuid4().hex[:8]})"
+    done = subprocess.run([str(env_dir / "bin/classify-describe"), str(image), "--url", triton.http_url, "--json",
+                           "--prompt", prompt],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert '"espresso"' in done.stdout.splitlines()[0]
