@@ -55,10 +55,17 @@ help:
 
 build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE)
 
+# torch first, from TORCH_INDEX_URL (versions.env: PyTorch's CPU-only wheels)
+# besides pip's usual indexes: torch==X matches X+cpu there, which pip ranks
+# above PyPI's CUDA build. --no-deps keeps every other package, torch's own
+# dependencies included, on the usual indexes (the next line installs them):
+# where that index cannot be reached (machines with local indexes only), each
+# package looked up there costs pip's five retries, about 8 s.
 $(VENV_STAMP): requirements.txt requirements-dev.txt versions.env scripts/check_python.sh
 	scripts/check_python.sh $(PYTHON_BIN)
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX_URL),$(PY) -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION))
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
