@@ -10,7 +10,8 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/classify_describe
 
 # Same pins as the native build; pip expands ${VAR} from the sourced versions.env.
-# On x86_64 PyPI's torch wheel is the CUDA build, which is what a GPU host wants.
+# On x86_64 PyPI's torch wheel is the CUDA build, which is what a GPU host wants,
+# so versions.env's TORCH_INDEX_URL (the CPU-only wheels of `make build`) is not used here.
 COPY versions.env requirements.txt ./
 RUN set -a && . ./versions.env && set +a \
  && pip install --no-cache-dir -r requirements.txt \

@@ -1,6 +1,7 @@
 # Triton model package: image classification + LLM description.
 #   make build   venv, Triton server, backend directory, model artifacts
 #   make run     serve model_repository/ natively on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
+#   make demo    start the server, classify and describe docs/sample/coffee.png, stop it
 #   make test    build, then unit + integration tests against a real server
 # Every version comes from versions.env.
 
@@ -42,6 +43,7 @@ help:
 	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
 	@echo "                    on 127.0.0.1; LISTEN_ADDRESS=0.0.0.0 exposes it. Load/unload, shared memory, logging"
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
+	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
 	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
@@ -53,10 +55,17 @@ help:
 
 build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE)
 
+# torch first, from TORCH_INDEX_URL (versions.env: PyTorch's CPU-only wheels)
+# besides pip's usual indexes: torch==X matches X+cpu there, which pip ranks
+# above PyPI's CUDA build. --no-deps keeps every other package, torch's own
+# dependencies included, on the usual indexes (the next line installs them):
+# where that index cannot be reached (machines with local indexes only), each
+# package looked up there costs pip's five retries, about 8 s.
 $(VENV_STAMP): requirements.txt requirements-dev.txt versions.env scripts/check_python.sh pyproject.toml
 	scripts/check_python.sh $(PYTHON_BIN)
 	test -x $(PY) || $(PYTHON_BIN) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX_URL),$(PY) -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION))
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
@@ -80,6 +89,12 @@ $(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) 
 
 run: build
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
+
+# A first answer: scripts/serve.sh on 127.0.0.1, one request with the sample
+# photo through the repository's client, then the server stopped by its PID.
+.PHONY: demo
+demo: build
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) scripts/demo.sh
 
 test: build perf-analyzer
 	scripts/run_tests.sh
