@@ -3,8 +3,8 @@
 stopped by its PID, never by name (other servers may run on this machine).
 
 One implementation shared by the integration tests (tests/integration/
-conftest.py), the benchmarks (tools/bench/), `make soak`, `make rehearse`,
-`make overload` and tools/bench_describe.py. The /proc and HTTP helpers it
+conftest.py), the benchmarks (tools/bench/), `make soak`, `make rehearse` and
+`make overload`. The /proc and HTTP helpers it
 uses ship in the image with the stub watchdog (serving/procfs.py)."""
 
 import os

@@ -328,18 +328,6 @@ def write(results, out_path, plots_dir):
     add(f"| Triton `describe` | {_f(d['triton']['p50_ms'], 2)} | {_f(d['triton']['p99_ms'], 2)} |")
     add(f"| direct upstream call | {_f(d['direct']['p50_ms'], 2)} | {_f(d['direct']['p99_ms'], 2)} |")
     add(f"| **overhead** | **{_f(d['overhead_p50_ms'], 2)}** | {_f(d['overhead_p99_ms'], 2)} |\n")
-    if d.get("bench_describe"):
-        output = d["bench_describe"]["output"].rstrip()
-        add(f"`tools/bench_describe.py` (default settings: its own fake upstream and server, upstream latency "
-            f"0 ms and 1 s, 512 in flight) ran in the same run, exit {d['bench_describe']['rc']}:\n")
-        table = [line for line in output.splitlines() if line.startswith("|")]
-        if table and d["bench_describe"]["rc"] == 0:
-            lines.extend(table)
-            add("")
-        else:
-            add("```")
-            add(output)
-            add("```\n")
 
     # 4
     p = results["patterns"]

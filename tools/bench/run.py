@@ -161,21 +161,7 @@ def measure_describe_overhead(ctx, p):
     ctx.llm.set_latency(0)
     result = clients.describe_overhead(ctx.triton.http_url, ctx.llm.base_url, ctx.prompts, p["describe_n"])
     log(f"describe overhead p50 {result['overhead_p50_ms']:.2f} ms")
-    result["bench_describe"] = run_bench_describe(ctx, p)
     return result
-
-
-def run_bench_describe(ctx, p):
-    """The other engineer's tools/bench_describe.py, when present and in a full run."""
-    script = REPO / "tools/bench_describe.py"
-    if not script.exists() or ctx.mode != "full":
-        return None
-    try:
-        done = subprocess.run([sys.executable, "-m", "tools.bench_describe"], cwd=REPO, capture_output=True, text=True,
-                              timeout=420)
-    except subprocess.TimeoutExpired:
-        return {"rc": "timeout", "output": ""}
-    return {"rc": done.returncode, "output": (done.stdout + done.stderr)[-4000:]}
 
 
 def measure_patterns(ctx, p):
