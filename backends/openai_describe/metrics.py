@@ -1,0 +1,114 @@
+"""Prometheus metrics of the describe step (pb_utils.MetricFamily), fed by the
+Describer through the Observer interface."""
+
+import threading
+
+import triton_python_backend_utils as pb_utils
+from describer import Observer
+
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+OUTCOMES = ("ok", "retried", "cached", "fallback", "error", "cancelled", "invalid")
+CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class Metrics(Observer):
+    """Prometheus metrics through pb_utils.MetricFamily, labelled with the Triton
+    model and version; per-upstream-model series are created on first use.
+
+    Every Metric call is a round trip to the Triton process. About ten per
+    request cost more than the request itself at 500 requests/s, so updates
+    are buffered here and written by `flush()` every FLUSH_S seconds (counters
+    summed, gauges at their latest value, histogram observations replayed).
+    """
+
+    FLUSH_S = 0.25
+
+    def __init__(self, labels):
+        self.labels = labels
+        family = pb_utils.MetricFamily
+        self.requests = family("describe_requests_total",
+                               "Describe requests by outcome (ok, retried, cached, fallback, error, "
+                               "cancelled, invalid)", family.COUNTER)
+        self.prompt_tokens = family("describe_prompt_tokens_total", "Prompt tokens billed upstream",
+                                    family.COUNTER)
+        self.completion_tokens = family("describe_completion_tokens_total",
+                                        "Completion tokens billed upstream", family.COUNTER)
+        self.cost = family("describe_cost_usd_total", "Upstream cost in US dollars", family.COUNTER)
+        self.latency = family("describe_upstream_latency_seconds",
+                              "Latency of each upstream attempt, by result", family.HISTOGRAM)
+        self.circuit_state = family("describe_circuit_state",
+                                    "Circuit breaker per upstream model: 0 closed, 1 half-open, 2 open",
+                                    family.GAUGE)
+        in_flight = family("describe_upstream_in_flight", "Upstream calls in flight", family.GAUGE)
+        queued = family("describe_upstream_queued", "Upstream calls waiting for a slot under max_in_flight",
+                        family.GAUGE)
+        lookups = family("describe_cache_lookups_total", "In-model LLM answer cache lookups",
+                         family.COUNTER)
+        # A MetricFamily must outlive its Metrics (the stub refuses updates otherwise).
+        self._families = [in_flight, queued, lookups]
+        self.in_flight_gauge = in_flight.Metric(labels=labels)
+        self.queued_gauge = queued.Metric(labels=labels)
+        self.cache_hit = lookups.Metric(labels=dict(labels, result="hit"))
+        self.cache_miss = lookups.Metric(labels=dict(labels, result="miss"))
+        self._series = {}
+        self._lock = threading.Lock()  # the model thread counts rejected requests too
+        self._counts, self._gauges, self._observations = {}, {}, []
+        for outcome in OUTCOMES:  # created up front, so every outcome shows from the start
+            self._metric(self.requests, outcome=outcome)
+
+    def _metric(self, family, buckets=None, **extra):
+        key = (id(family), tuple(sorted(extra.items())))
+        metric = self._series.get(key)
+        if metric is None:
+            with self._lock:
+                metric = self._series.get(key)
+                if metric is None:
+                    labels = dict(self.labels, **extra)
+                    metric = family.Metric(labels=labels, buckets=buckets) if buckets else family.Metric(labels=labels)
+                    self._series[key] = metric
+        return metric
+
+    def _add(self, metric, value):
+        with self._lock:
+            self._counts[metric] = self._counts.get(metric, 0) + value
+
+    def _set(self, metric, value):
+        with self._lock:
+            self._gauges[metric] = value
+
+    def flush(self):
+        with self._lock:
+            counts, gauges, observations = self._counts, self._gauges, self._observations
+            self._counts, self._gauges, self._observations = {}, {}, []
+        for metric, value in counts.items():
+            metric.increment(value)
+        for metric, value in gauges.items():
+            metric.set(value)
+        for metric, value in observations:
+            metric.observe(value)
+
+    # -- Observer ------------------------------------------------------------------
+
+    def request_done(self, model, outcome, usage):
+        self._add(self._metric(self.requests, outcome=outcome), 1)
+        if usage is not None and usage.total_tokens:
+            self._add(self._metric(self.prompt_tokens, upstream_model=model), usage.prompt_tokens)
+            self._add(self._metric(self.completion_tokens, upstream_model=model), usage.completion_tokens)
+            self._add(self._metric(self.cost, upstream_model=model), usage.cost_usd)
+
+    def attempt_done(self, model, latency_s, reason):
+        metric = self._metric(self.latency, buckets=LATENCY_BUCKETS_S, upstream_model=model, result=reason)
+        with self._lock:
+            self._observations.append((metric, latency_s))
+
+    def in_flight(self, count):
+        self._set(self.in_flight_gauge, count)
+
+    def queued(self, count):
+        self._set(self.queued_gauge, count)
+
+    def circuit(self, model, state):
+        self._set(self._metric(self.circuit_state, upstream_model=model), CIRCUIT_STATE_VALUE[state])
+
+    def cache(self, hit):
+        self._add(self.cache_hit if hit else self.cache_miss, 1)
