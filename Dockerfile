@@ -22,16 +22,18 @@ RUN set -a && . ./versions.env && set +a \
 COPY backends/ /opt/tritonserver/backends/
 COPY model_repository/ /models/
 # What ships besides: the supervisor and the stub watchdog (serving/, standard
-# library only); the classifier export runs once at build time.
+# library only); the classifier export and its GPU config run once at build time.
 COPY serving/ serving/
-COPY scripts/export_classifier.py scripts/
+COPY scripts/export_classifier.py scripts/make_gpu_config.py scripts/
 
-# The TorchScript file and labels are built from the pinned pretrained weights.
+# The TorchScript file and labels are built from the pinned pretrained weights;
+# configs/gpu.pbtxt (for --model-config-name=gpu) from the classifier's config.pbtxt.
 RUN set -a && . ./versions.env && set +a \
  && python3 scripts/export_classifier.py \
       --timm-wheel "/tmp/downloads/timm-${TIMM_LABELS_VERSION}-py3-none-any.whl" \
       --model-dir /models/classifier \
- && rm -rf /tmp/downloads
+ && rm -rf /tmp/downloads \
+ && python3 scripts/make_gpu_config.py /models/classifier/config.pbtxt
 
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \

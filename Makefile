@@ -23,6 +23,7 @@ TIMM_WHEEL := $(DOWNLOADS)/timm-$(TIMM_LABELS_VERSION)-py3-none-any.whl
 CLASSIFIER := model_repository/classifier
 CLASSIFIER_FILE := $(CLASSIFIER)/1/model.pt
 LABELS_FILE := $(CLASSIFIER)/labels.txt
+GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
 OUR_BACKENDS := $(notdir $(wildcard backends/*))
 PERF_DIR   := $(BUILD)/perf_analyzer
 
@@ -53,7 +54,7 @@ help:
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
-build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE)
+build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
 
 # torch first, from TORCH_INDEX_URL (versions.env: PyTorch's CPU-only wheels)
 # besides pip's usual indexes: torch==X matches X+cpu there, which pip ranks
@@ -86,6 +87,10 @@ $(TIMM_WHEEL): | $(VENV_STAMP)
 
 $(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) | $(VENV_STAMP)
 	$(PY) scripts/export_classifier.py --timm-wheel $(TIMM_WHEEL) --model-dir $(CLASSIFIER)
+
+# The classifier's config for --model-config-name=gpu, generated from its CPU config.
+$(GPU_CONFIG): scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt | $(VENV_STAMP)
+	$(PY) scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt $@
 
 run: build
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
