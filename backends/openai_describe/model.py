@@ -13,6 +13,7 @@ import json
 import math
 import os
 import threading
+import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -20,7 +21,7 @@ from describer import NO_KEY_HELP, Cancelled, Describer, Job, make_client
 from metrics import Metrics
 from prompting import PromptError, read_labels, read_prompt
 from scrubbing import Scrubber
-from settings import RequestModels, SettingsError, parse_settings
+from settings import ConfigError, InvalidOverride, RequestModels, parse_settings
 
 # Without an API key a local endpoint still wants some bearer string.
 NO_KEY_PLACEHOLDER = "no-key-required"
@@ -32,18 +33,17 @@ class InvalidInput(ValueError):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        self.name = args["model_name"]
-        self.log = _Log(f"[{self.name}] ")
-        if config.get("model_transaction_policy", {}).get("decoupled"):
-            raise pb_utils.TritonModelException(
-                f"{self.name}: openai_describe is meant to be non-decoupled (one response per request, "
-                "so HTTP /infer and ensembles work); remove model_transaction_policy.decoupled")
-        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        self.model_name = args["model_name"]
+        self.log = _Log(self.model_name)
+        model_config = json.loads(args["model_config"])
         try:
-            self.settings = parse_settings(params, os.environ)
-        except SettingsError as exc:
-            raise pb_utils.TritonModelException(f"{self.name}: {exc}") from None
+            if model_config.get("model_transaction_policy", {}).get("decoupled"):
+                raise ConfigError(
+                    "openai_describe is meant to be non-decoupled (one response per request, "
+                    "so HTTP /infer and ensembles work); remove model_transaction_policy.decoupled")
+            self.settings = parse_settings(config_parameters(model_config), os.environ)
+        except ConfigError as error:
+            raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
         s = self.settings
         self.request_models = RequestModels(s)
 
@@ -55,11 +55,11 @@ class TritonPythonModel:
             # Said once, at load: every request would otherwise repeat it.
             self.log.warn(NO_KEY_HELP.format(where=key_source, prefix=s.env_prefix))
 
-        self.metrics = Metrics({"model": self.name, "version": args["model_version"]})
+        self.metrics = Metrics({"model": self.model_name, "version": args["model_version"]})
         self.closing = False
         self.tasks = set()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.name}-llm", daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model_name}-llm", daemon=True)
         self.thread.start()
 
         async def build():
@@ -82,7 +82,7 @@ class TritonPythonModel:
                 if self.closing:
                     raise _Reject("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
                 accepted.append((request, self._jobs(request)))
-            except (InvalidInput, PromptError, SettingsError) as exc:
+            except (InvalidInput, PromptError, InvalidOverride) as exc:
                 self.metrics.request_done(None, "invalid", None)
                 self._send_error(request, str(exc), pb_utils.TritonError.INVALID_ARG)
             except _Reject as exc:
@@ -157,10 +157,10 @@ class TritonPythonModel:
             response = _error_response("request cancelled", pb_utils.TritonError.CANCELLED)
         except asyncio.CancelledError:
             response = _error_response("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
-        except Exception as exc:  # a bug must cost one response, not the instance
+        except Exception:  # a bug must cost one response, not the instance
             self.metrics.request_done(None, "error", None)
-            message = self.scrub(f"{type(exc).__name__}: {exc}")
-            self.log.error(f"describe failed: {message}")
+            # The traceback goes to the log (scrubbed: SDK errors may quote the key), not to the client.
+            self.log.error(f"describe failed:\n{self.scrub(traceback.format_exc())}")
             response = _error_response("internal error in the describe step", pb_utils.TritonError.INTERNAL)
         try:
             request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -170,7 +170,7 @@ class TritonPythonModel:
     # -- on the model thread --------------------------------------------------------
 
     def _jobs(self, request):
-        """One Job per batch row; raises InvalidInput, PromptError or SettingsError (all INVALID_ARG)."""
+        """One Job per batch row; raises InvalidInput, PromptError or InvalidOverride (all INVALID_ARG)."""
         labels = _input(request, "LABELS")
         scores = _input(request, "SCORES")
         if labels is None or scores is None:
@@ -207,6 +207,11 @@ class _Reject(Exception):
         self.code = code
 
 
+def config_parameters(model_config):
+    """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
+    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
@@ -221,8 +226,10 @@ def _error_response(message, code):
 
 
 class _Log:
-    def __init__(self, prefix):
-        self.prefix = prefix
+    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
+
+    def __init__(self, model_name):
+        self.prefix = f"[{model_name}] "
 
     def info(self, message):
         pb_utils.Logger.log_info(self.prefix + message)

@@ -7,7 +7,8 @@ committed model repository can point at any endpoint. The API key itself is
 never a setting: it is read from the environment variable `api_key_env`
 (default `<env_prefix>API_KEY`) or from the file `api_key_file`.
 
-Every problem raises SettingsError with a message that says what to fix.
+A problem in config or environment raises ConfigError, a request parameter
+out of the configured limits InvalidOverride; both say what to fix.
 """
 
 import dataclasses
@@ -31,8 +32,12 @@ TEMPLATE_FIELDS = {"prompt", "labels", "top_label"}
 ON_FAILURE = ("fallback", "error")
 
 
-class SettingsError(ValueError):
-    pass
+class ConfigError(ValueError):
+    """A config parameter or environment variable is wrong; the message says how to fix it."""
+
+
+class InvalidOverride(ValueError):
+    """A request parameter (model, temperature, ...) is outside what the config allows."""
 
 
 @dataclass(frozen=True)
@@ -96,25 +101,25 @@ class Settings:
 
         `params` are the Triton request parameters; unknown keys are ignored
         (an ensemble may carry parameters meant for other steps). Values out
-        of the limits set in config raise SettingsError, never silently clamp.
+        of the limits set in config raise InvalidOverride, never silently clamp.
         """
         model = params.get("model", self.model)
         if not isinstance(model, str) or not model:
-            raise SettingsError("parameter 'model' must be a non-empty string")
+            raise InvalidOverride("parameter 'model' must be a non-empty string")
         if not self.is_model_allowed(model):
-            raise SettingsError(f"model '{model}' is not allowed here (allowed_models)")
+            raise InvalidOverride(f"model '{model}' is not allowed here (allowed_models)")
         temperature = _number(params, "temperature", self.temperature)
         if not self.temperature_min <= temperature <= self.temperature_max:
-            raise SettingsError(
+            raise InvalidOverride(
                 f"temperature {temperature} is outside [{self.temperature_min}, {self.temperature_max}]")
         max_tokens = _number(params, "max_tokens", self.max_tokens)
         if max_tokens != int(max_tokens) or not 1 <= max_tokens <= self.max_tokens_limit:
-            raise SettingsError(f"max_tokens must be an integer in [1, {self.max_tokens_limit}] "
+            raise InvalidOverride(f"max_tokens must be an integer in [1, {self.max_tokens_limit}] "
                                 f"(max_tokens_limit in the model config), got {max_tokens:g}")
         # A caller may only shorten the per-attempt timeout ("answer fast or fall back").
         timeout_s = _number(params, "timeout_s", self.timeout_s)
         if not 0 < timeout_s <= self.timeout_s:
-            raise SettingsError(f"timeout_s must be in (0, {self.timeout_s}]")
+            raise InvalidOverride(f"timeout_s must be in (0, {self.timeout_s}]")
         return model, float(temperature), int(max_tokens), float(timeout_s)
 
     # -- the API key -------------------------------------------------------------
@@ -152,7 +157,7 @@ class RequestModels:
             return
         limit = self.settings.max_request_models
         if len(self._admitted) >= limit:
-            raise SettingsError(
+            raise InvalidOverride(
                 f"model '{model}' is refused: requests have already picked {limit} other models "
                 f"(max_request_models={limit} in the model config); use one of those or the default "
                 f"'{self.settings.model}'")
@@ -162,13 +167,13 @@ class RequestModels:
 def _number(params, name, default):
     value = params.get(name, default)
     if isinstance(value, bool):
-        raise SettingsError(f"parameter '{name}' must be a number")
+        raise InvalidOverride(f"parameter '{name}' must be a number")
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise SettingsError(f"parameter '{name}' must be a number, got {value!r}") from None
+        raise InvalidOverride(f"parameter '{name}' must be a number, got {value!r}") from None
     if not math.isfinite(value):
-        raise SettingsError(f"parameter '{name}' must be finite")
+        raise InvalidOverride(f"parameter '{name}' must be finite")
     return value
 
 
@@ -208,16 +213,16 @@ _KINDS = {name: type(f.default) if f.default is not dataclasses.MISSING else dic
           for name, f in _FIELDS.items()}
 
 
-def parse_settings(parameters, environ=None):
+def parse_settings(parameters: dict[str, str], environ=None) -> Settings:
     """Build Settings from config.pbtxt parameters ({key: str}) and the environment."""
     environ = os.environ if environ is None else environ
     if "api_key" in parameters:
-        raise SettingsError(
+        raise ConfigError(
             "config parameter 'api_key' is refused: never put the key in config; "
             "set api_key_env (an environment variable name) or api_key_file (a path)")
     unknown = sorted(set(parameters) - set(_FIELDS))
     if unknown:
-        raise SettingsError(f"unknown config parameter(s) {unknown}; known: {sorted(_FIELDS)}")
+        raise ConfigError(f"unknown config parameter(s) {unknown}; known: {sorted(_FIELDS)}")
 
     raw = dict(parameters)
     prefix = raw.get("env_prefix", Settings.env_prefix)
@@ -236,7 +241,7 @@ def parse_settings(parameters, environ=None):
             values[name] = _convert(name, _KINDS[name], text)
         except (ValueError, json.JSONDecodeError) as exc:
             source = f"environment variable {prefix}{name.upper()}" if name in from_env else "config parameter"
-            raise SettingsError(f"{source} '{name}'={text!r} is invalid: {exc}") from None
+            raise ConfigError(f"{source} '{name}'={text!r} is invalid: {exc}") from None
     settings = Settings(**values, from_env=tuple(from_env))
     _validate(settings)
     return settings
@@ -276,4 +281,4 @@ def _validate(s):
         problems.append(f"prompt_template uses unknown placeholder(s) {sorted(fields - TEMPLATE_FIELDS)}; "
                         f"available: {sorted(TEMPLATE_FIELDS)}")
     if problems:
-        raise SettingsError("invalid describe settings: " + "; ".join(problems))
+        raise ConfigError("invalid describe settings: " + "; ".join(problems))

@@ -8,7 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 from prompting import PromptError, read_prompt
-from settings import SettingsError, parse_settings
+from settings import ConfigError, InvalidOverride, parse_settings
 
 from tests.unit.test_describe_model import fake, make_model  # noqa: F401  (fixtures reused)
 
@@ -41,7 +41,7 @@ def test_read_prompt_length_counts_characters_and_names_the_limit():
 def test_max_tokens_above_the_limit_names_max_tokens_limit():
     settings = parse_settings({"max_tokens": "64", "max_tokens_limit": "100"}, environ={})
     assert settings.resolve_overrides({"max_tokens": 100})[2] == 100
-    with pytest.raises(SettingsError) as error:
+    with pytest.raises(InvalidOverride) as error:
         settings.resolve_overrides({"max_tokens": 101})
     assert "max_tokens_limit" in str(error.value) and "100" in str(error.value)
 
@@ -52,7 +52,7 @@ def test_limits_are_in_the_committed_config_and_overridable():
         assert f'key: "{key}"' in text
     settings = parse_settings({"max_prompt_chars": "50"}, environ={"LLM_MAX_PROMPT_CHARS": "12"})
     assert settings.max_prompt_chars == 12
-    with pytest.raises(SettingsError, match="max_prompt_chars"):
+    with pytest.raises(ConfigError, match="max_prompt_chars"):
         parse_settings({"max_prompt_chars": "0"}, environ={})
 
 

@@ -2,7 +2,7 @@
 
 
 import pytest
-from settings import SettingsError, parse_settings
+from settings import ConfigError, InvalidOverride, parse_settings
 
 
 def test_defaults_point_at_openai():
@@ -38,13 +38,13 @@ def test_environment_overrides_config_with_the_prefix():
     ({"temperature": "3"}, "temperature must be in"),
 ])
 def test_mistakes_fail_at_load_with_what_to_fix(params, fragment):
-    with pytest.raises(SettingsError, match=None) as info:
+    with pytest.raises(ConfigError, match=None) as info:
         parse_settings(params, {})
     assert fragment in str(info.value)
 
 
 def test_a_bad_environment_value_names_the_variable():
-    with pytest.raises(SettingsError, match="environment variable LLM_MAX_ATTEMPTS"):
+    with pytest.raises(ConfigError, match="environment variable LLM_MAX_ATTEMPTS"):
         parse_settings({}, {"LLM_MAX_ATTEMPTS": "three"})
 
 
@@ -56,7 +56,7 @@ def test_request_overrides_stay_within_config_limits():
         ("gpt-4o-mini-2024-07-18", 0.5, 100, 2.0)
     for bad in ({"model": "gpt-4o"}, {"temperature": 1.5}, {"max_tokens": 513}, {"max_tokens": 2.5},
                 {"timeout_s": 60}, {"temperature": "hot"}, {"max_tokens": True}):
-        with pytest.raises(SettingsError):
+        with pytest.raises(InvalidOverride):
             s.resolve_overrides(bad)
 
 
