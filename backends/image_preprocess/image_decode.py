@@ -50,33 +50,32 @@ class PreprocessSettings:
     max_pixels: int = 40_000_000  # width * height read from the header, checked before decoding
     min_image_side: int = 8  # below this there is nothing left to classify
 
-    @classmethod
-    def from_parameters(cls, parameters):
-        """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""
-        defaults = cls()
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(parameters) - known)
-        if unknown:
-            raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
-        values = {}
-        for name in known:
-            raw = parameters.get(name)
-            default = getattr(defaults, name)
-            if raw is None:
-                values[name] = default
-            elif isinstance(default, tuple):
-                values[name] = _parse_triple(name, raw)
-            else:
-                values[name] = _parse_positive_int(name, raw)
-        settings = cls(**values)
-        if settings.crop_size > settings.resize_shorter_side:
-            raise ConfigError(
-                f"crop_size ({settings.crop_size}) must not exceed resize_shorter_side "
-                f"({settings.resize_shorter_side})"
-            )
-        if any(s <= 0 for s in settings.std):
-            raise ConfigError(f"std values must be > 0, got {settings.std}")
-        return settings
+def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
+    """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""
+    defaults = PreprocessSettings()
+    known = {field.name for field in dataclasses.fields(PreprocessSettings)}
+    unknown = sorted(set(parameters) - known)
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
+    values = {}
+    for name in known:
+        raw = parameters.get(name)
+        default = getattr(defaults, name)
+        if raw is None:
+            values[name] = default
+        elif isinstance(default, tuple):
+            values[name] = _parse_triple(name, raw)
+        else:
+            values[name] = _parse_positive_int(name, raw)
+    settings = PreprocessSettings(**values)
+    if settings.crop_size > settings.resize_shorter_side:
+        raise ConfigError(
+            f"crop_size ({settings.crop_size}) must not exceed resize_shorter_side "
+            f"({settings.resize_shorter_side})"
+        )
+    if any(s <= 0 for s in settings.std):
+        raise ConfigError(f"std values must be > 0, got {settings.std}")
+    return settings
 
 
 def _parse_positive_int(name, raw):

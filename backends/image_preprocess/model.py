@@ -8,32 +8,36 @@ import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings  # noqa: E402
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_settings
 from PIL import Image
 
 INPUT_NAME = "IMAGE"
 OUTPUT_NAME = "PIXELS"
-LOG_PREFIX = "[image_preprocess]"
 
 
 def config_parameters(model_config):
+    """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.model_name = args["model_name"]
+        self.log = _Log(self.model_name)
         model_config = json.loads(args["model_config"])
-        self.model_name = args.get("model_name", "preprocess")
         try:
-            settings = PreprocessSettings.from_parameters(config_parameters(model_config))
+            settings = self._load(model_config)
         except ConfigError as error:
-            raise pb_utils.TritonModelException(f"{self.model_name} config.pbtxt: {error}") from None
+            raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
+        self.log.info(f"ready: {settings}")
 
+    def _load(self, model_config):
+        settings = parse_settings(config_parameters(model_config))
         output = pb_utils.get_output_config_by_name(model_config, OUTPUT_NAME)
         expected = [3, settings.crop_size, settings.crop_size]
         if output is None or list(output["dims"]) != expected:
-            raise pb_utils.TritonModelException(
-                f"{self.model_name} config.pbtxt: output {OUTPUT_NAME} must have dims {expected} "
+            raise ConfigError(
+                f"output {OUTPUT_NAME} must have dims {expected} "
                 f"(3 x crop_size x crop_size), found {output and list(output['dims'])}"
             )
         self.output_dtype = pb_utils.triton_string_to_numpy(output["data_type"])
@@ -41,7 +45,7 @@ class TritonPythonModel:
         # (e.g. a format whose header size differs from what it decodes to).
         Image.MAX_IMAGE_PIXELS = settings.max_pixels
         self.preprocessor = ImagePreprocessor(settings)
-        pb_utils.Logger.log_info(f"{LOG_PREFIX} {self.model_name} ready: {settings}")
+        return settings
 
     def execute(self, requests):
         # One response per request, in order; a bad image fails only its own request.
@@ -55,14 +59,30 @@ class TritonPythonModel:
             tensor = pb_utils.Tensor(OUTPUT_NAME, pixels.astype(self.output_dtype, copy=False))
             return pb_utils.InferenceResponse(output_tensors=[tensor])
         except InvalidImage as error:
-            return pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
-            )
-        except Exception:  # a bug, not bad input: log it, keep the traceback off the wire
-            pb_utils.Logger.log_error(f"{LOG_PREFIX} unexpected error:\n{traceback.format_exc()}")
-            return pb_utils.InferenceResponse(
-                error=pb_utils.TritonError("internal error while preprocessing IMAGE", pb_utils.TritonError.INTERNAL)
-            )
+            return _error_response(str(error), pb_utils.TritonError.INVALID_ARG)
+        except Exception:  # a bug, not bad input: the traceback goes to the log, not to the client
+            self.log.error(f"unexpected error:\n{traceback.format_exc()}")
+            return _error_response("internal error while preprocessing IMAGE", pb_utils.TritonError.INTERNAL)
 
     def finalize(self):
-        pb_utils.Logger.log_info(f"{LOG_PREFIX} {self.model_name} unloaded")
+        self.log.info("unloaded")
+
+
+def _error_response(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class _Log:
+    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
+
+    def __init__(self, model_name):
+        self.prefix = f"[{model_name}] "
+
+    def info(self, message):
+        pb_utils.Logger.log_info(self.prefix + message)
+
+    def warn(self, message):
+        pb_utils.Logger.log_warn(self.prefix + message)
+
+    def error(self, message):
+        pb_utils.Logger.log_error(self.prefix + message)

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
 from PIL import Image, ImageFile
 
 from tools.reference import bad_images, png_with_header_size
@@ -93,7 +93,7 @@ def preprocessor():
 
 def test_committed_config_parses_to_the_reference_transform():
     params = {k: v["string_value"] for k, v in committed_parameters().items()}
-    settings = PreprocessSettings.from_parameters(params)
+    settings = parse_settings(params)
     assert settings.resize_shorter_side == 256 and settings.crop_size == 224
     assert settings.mean == (127.0, 127.0, 127.0) and settings.std == (128.0, 128.0, 128.0)
     assert settings.min_image_side == 8 and settings.max_pixels == 40_000_000
@@ -109,13 +109,13 @@ def test_committed_config_parses_to_the_reference_transform():
 ])
 def test_invalid_settings_say_what_to_fix(params, words):
     with pytest.raises(ConfigError) as caught:
-        PreprocessSettings.from_parameters(params)
+        parse_settings(params)
     assert words in str(caught.value)
 
 
 def test_adapter_fails_load_on_bad_parameter():
     config = model_config(parameters={"mean": {"string_value": "nope"}})
-    with pytest.raises(pb_utils.TritonModelException, match="config.pbtxt: parameter mean"):
+    with pytest.raises(pb_utils.TritonModelException, match="preprocess: parameter mean"):
         make_model(config)
 
 
