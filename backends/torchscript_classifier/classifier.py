@@ -21,27 +21,28 @@ class ClassifierSettings:
     torch_num_threads: int = 1
     top_k: int = 5  # used only when the outputs' dims are -1; otherwise the dims decide
 
-    @classmethod
-    def from_parameters(cls, parameters):
-        known = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(parameters) - known)
-        if unknown:
-            raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
-        values = {}
-        for name in ("model_file", "labels_file"):
-            if name in parameters:
-                if not parameters[name].strip():
-                    raise ConfigError(f"parameter {name} must not be empty")
-                values[name] = parameters[name].strip()
-        for name in ("torch_num_threads", "top_k"):
-            if name in parameters:
-                try:
-                    values[name] = int(parameters[name])
-                except ValueError:
-                    raise ConfigError(f"parameter {name} must be a positive integer, got {parameters[name]!r}") from None
-                if values[name] <= 0:
-                    raise ConfigError(f"parameter {name} must be a positive integer, got {parameters[name]!r}")
-        return cls(**values)
+
+def parse_settings(parameters: dict[str, str]) -> ClassifierSettings:
+    """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""
+    known = {field.name for field in dataclasses.fields(ClassifierSettings)}
+    unknown = sorted(set(parameters) - known)
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
+    values = {}
+    for name in ("model_file", "labels_file"):
+        if name in parameters:
+            if not parameters[name].strip():
+                raise ConfigError(f"parameter {name} must not be empty")
+            values[name] = parameters[name].strip()
+    for name in ("torch_num_threads", "top_k"):
+        if name in parameters:
+            try:
+                values[name] = int(parameters[name])
+            except ValueError:
+                raise ConfigError(f"parameter {name} must be a positive integer, got {parameters[name]!r}") from None
+            if values[name] <= 0:
+                raise ConfigError(f"parameter {name} must be a positive integer, got {parameters[name]!r}")
+    return ClassifierSettings(**values)
 
 
 def load_labels(path):

@@ -11,33 +11,34 @@ import traceback
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
-from classifier import ClassifierSettings, ConfigError, TorchScriptClassifier, load_labels  # noqa: E402
+from classifier import ConfigError, TorchScriptClassifier, load_labels, parse_settings
 
 INPUT_NAME = "PIXELS"
 LABELS_NAME = "LABELS"
 SCORES_NAME = "SCORES"
-LOG_PREFIX = "[torchscript_classifier]"
 
 
 def config_parameters(model_config):
+    """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.model_name = args["model_name"]
+        self.log = _Log(self.model_name)
         model_config = json.loads(args["model_config"])
-        self.model_name = args.get("model_name", "classifier")
         try:
             self.classifier = self._load(args, model_config)
         except ConfigError as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
-        pb_utils.Logger.log_info(
-            f"{LOG_PREFIX} {self.model_name} ready: {len(self.classifier.labels)} classes, "
+        self.log.info(
+            f"ready: {len(self.classifier.labels)} classes, "
             f"top {self.classifier.top_k}, device {self.classifier.device}, {torch.get_num_threads()} threads"
         )
 
     def _load(self, args, model_config):
-        settings = ClassifierSettings.from_parameters(config_parameters(model_config))
+        settings = parse_settings(config_parameters(model_config))
         # A model that sets few threads should not have torch's pool take every core:
         # on a small CPU the preprocess model and the server need some too.
         torch.set_num_threads(settings.torch_num_threads)
@@ -78,17 +79,18 @@ class TritonPythonModel:
         for index, request in enumerate(requests):
             pixels = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
             if not np.isfinite(pixels).all():
-                responses[index] = self._error(f"{INPUT_NAME} holds NaN or infinite values", pb_utils.TritonError.INVALID_ARG)
+                responses[index] = _error_response(f"{INPUT_NAME} holds NaN or infinite values", pb_utils.TritonError.INVALID_ARG)
             else:
                 batches.append((index, pixels))
 
         if batches:
             try:
                 labels, scores = self.classifier.classify(np.concatenate([pixels for _, pixels in batches]))
-            except Exception:
-                pb_utils.Logger.log_error(f"{LOG_PREFIX} forward failed:\n{traceback.format_exc()}")
+            except Exception:  # a bug or a device failure: the traceback goes to the log, not to the clients
+                self.log.error(f"forward failed:\n{traceback.format_exc()}")
+                internal = "internal error in the classifier forward pass"
                 for index, _ in batches:
-                    responses[index] = self._error("internal error in the classifier forward pass", pb_utils.TritonError.INTERNAL)
+                    responses[index] = _error_response(internal, pb_utils.TritonError.INTERNAL)
                 return responses
             start = 0
             for index, pixels in batches:
@@ -100,9 +102,25 @@ class TritonPythonModel:
                 start = end
         return responses
 
-    @staticmethod
-    def _error(message, code):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-
     def finalize(self):
-        pb_utils.Logger.log_info(f"{LOG_PREFIX} {self.model_name} unloaded")
+        self.log.info("unloaded")
+
+
+def _error_response(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class _Log:
+    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
+
+    def __init__(self, model_name):
+        self.prefix = f"[{model_name}] "
+
+    def info(self, message):
+        pb_utils.Logger.log_info(self.prefix + message)
+
+    def warn(self, message):
+        pb_utils.Logger.log_warn(self.prefix + message)
+
+    def error(self, message):
+        pb_utils.Logger.log_error(self.prefix + message)
