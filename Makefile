@@ -130,7 +130,7 @@ docker-run:
 	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY $(IMAGE_NAME)
 
 clean:
-	rm -rf $(BUILD) $(CLASSIFIER_FILE)
+	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
 
 # Scaling rehearsal (docs/scaling.md): two native replicas behind nginx on
 # loopback, one stopped with SIGTERM and restarted under load; stops by itself
