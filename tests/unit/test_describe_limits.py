@@ -47,9 +47,12 @@ def test_max_tokens_above_the_limit_names_max_tokens_limit():
 
 
 def test_limits_are_in_the_committed_config_and_overridable():
-    text = CONFIG.read_text()
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    committed = text_format.Parse(CONFIG.read_text(), model_config_pb2.ModelConfig()).parameters
     for key in ("max_prompt_chars", "max_tokens_limit", "max_labels", "max_label_chars", "max_request_models"):
-        assert f'key: "{key}"' in text
+        assert key in committed
     settings = parse_settings({"max_prompt_chars": "50"}, environ={"LLM_MAX_PROMPT_CHARS": "12"})
     assert settings.max_prompt_chars == 12
     with pytest.raises(ConfigError, match="max_prompt_chars"):

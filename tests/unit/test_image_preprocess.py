@@ -4,7 +4,6 @@ import importlib.util
 import io
 import json
 import pathlib
-import re
 import struct
 import sys
 
@@ -42,10 +41,12 @@ model_module = load_adapter_module()
 
 def committed_parameters():
     """The `parameters` of the committed config.pbtxt, as Triton hands them to the model."""
-    text = CONFIG.read_text()
-    found = re.findall(r'key:\s*"([^"]+)"\s*value\s*\{\s*string_value:\s*"([^"]*)"', text)
-    assert found, "no parameters found in config.pbtxt"
-    return {key: {"string_value": value} for key, value in found}
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(CONFIG.read_text(), model_config_pb2.ModelConfig())
+    assert config.parameters, "no parameters found in config.pbtxt"
+    return {key: {"string_value": value.string_value} for key, value in config.parameters.items()}
 
 
 def model_config(parameters=None, dims=(3, 224, 224)):
