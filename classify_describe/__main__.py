@@ -12,7 +12,7 @@ Exit status:
   0  every image was answered
   1  some images failed, each reported; the others were answered
   2  the command line is wrong
-  3  no image got an answer: the server is down, not ready or unreachable
+  3  no image got any answer, not even a refusal: the server is down or unreachable
 """
 
 import argparse
@@ -96,7 +96,7 @@ class Progress:
 
 async def run(args):
     progress = Progress(len(args.images))
-    failures = retryable = 0
+    failures = unanswered = 0
     async with AsyncClient(args.url, args.protocol, concurrency=args.concurrency,
                            timeout_s=args.timeout, retries=args.retries) as client:
         # Paths, not bytes: infer_many reads each file as its request is sent.
@@ -106,7 +106,7 @@ async def run(args):
             progress.clear()
             if failed:
                 failures += 1
-                retryable += outcome.retryable
+                unanswered += not outcome.answered
                 if args.json:
                     print(json.dumps({"image": str(path), "error": str(outcome),
                                       "retryable": outcome.retryable}), flush=True)
@@ -121,7 +121,7 @@ async def run(args):
     progress.close()
     if not failures:
         return EXIT_OK
-    if retryable == len(args.images):
+    if unanswered == len(args.images):  # not one answer, not even a refusal
         print(f"no answer from Triton at {args.url} ({args.protocol}) for any image. "
               f"Is the server running (`make run`)? Is it ready "
               f"(curl http://<host>:8000/v2/health/ready)?", file=sys.stderr)

@@ -31,11 +31,14 @@ class TritonRequestError(RuntimeError):
     `retryable`: sending the same image again may succeed (no answer came, or
     the server was unavailable); False when the server refused the request
     itself (INVALID_ARG / 400) or the file cannot be read.
+    `answered`: the server itself answered with this error (a 503 under
+    overload included), as opposed to no answer at all.
     """
 
-    def __init__(self, message, retryable=False):
+    def __init__(self, message, retryable=False, answered=False):
         super().__init__(message)
         self.retryable = retryable
+        self.answered = answered
 
 
 # Retryable: the request got no answer because the connection failed (refused
@@ -72,6 +75,14 @@ def _retryable(error, module):
     return isinstance(error, _no_answer_errors())
 
 
+def _server_answered(error, module):
+    # gRPC reports a connection it could not make as UNAVAILABLE too; the
+    # server's own UNAVAILABLE (a queue policy's refusal) says why.
+    if not isinstance(error, module.InferenceServerException) or _timed_out(error, module):
+        return False
+    return str(error.status()) != "StatusCode.UNAVAILABLE" or "queue size" in (error.message() or "")
+
+
 def _resend(error, module):
     # What `retries=N` resends: the retryable errors but a timeout, which the
     # server may still be working on; resending it would pile more work on a
@@ -89,7 +100,8 @@ def _request_error(error, module, timeout_s):
         message = f"no answer: {str(error) or type(error).__name__}"
     else:
         message = f"{type(error).__name__}: {error}"
-    request_error = TritonRequestError(message, retryable=_retryable(error, module))
+    request_error = TritonRequestError(message, retryable=_retryable(error, module),
+                                       answered=_server_answered(error, module))
     request_error.__cause__ = error
     return request_error
 

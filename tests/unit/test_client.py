@@ -278,3 +278,13 @@ def test_cli_exit_code_when_no_image_gets_an_answer(closed_port, no_backoff, tmp
         assert f"{path}: error (retryable): no answer" in err
     assert "Is the server running" in err
     assert cli.EXIT_NO_ANSWER == 3
+
+
+def test_cli_exit_code_when_the_server_refuses_every_image(stand_in, no_backoff, tmp_path, capsys):
+    """A server that answers 503 to everything (overload, a model not ready) is up:
+    exit 1 with each refusal reported, not 3 ("is the server running?")."""
+    paths = write_images(tmp_path, [b"unavailable:a", b"unavailable:b"])
+    code = cli.main(["--url", stand_in.url, "--retries", "0"] + [str(p) for p in paths])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_SOME_FAILED, err
+    assert "Is the server running" not in err
