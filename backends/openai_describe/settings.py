@@ -268,6 +268,11 @@ def _validate(s):
                  "max_prompt_chars", "max_labels", "max_label_chars"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be >= 1")
+    if s.timeout_s > s.total_timeout_s:
+        # Otherwise no attempt could ever time out on its own: the request's
+        # total deadline would always end it first, and the circuit would never
+        # hear of a slow upstream.
+        problems.append("timeout_s must not exceed total_timeout_s")
     if s.max_request_models < 0:
         problems.append("max_request_models must be >= 0")
     if s.on_failure not in ON_FAILURE:

@@ -181,7 +181,7 @@ def test_total_timeout_bounds_all_attempts():
         started = time.monotonic()
         r = await d.describe(job(timeout_s=2.0))
         assert r.usage.fallback_reason == "timeout" and time.monotonic() - started < 1.0
-    run(test, total_timeout_s="0.5")
+    run(test, timeout_s="0.5", total_timeout_s="0.5")
 
 
 def test_circuit_opens_stops_calling_then_probes_and_closes():
@@ -268,7 +268,7 @@ def test_waiting_for_a_local_slot_is_not_an_upstream_failure():
         assert r.usage.upstream_latency_ms < 700  # the 800 ms in the queue are not in it
         # The provider is healthy and the circuit (threshold 1) stayed closed.
         assert (await d.describe(job("after"))).source == "llm"
-    run(test, max_in_flight="1", total_timeout_s="1.0", circuit_failure_threshold="1")
+    run(test, max_in_flight="1", timeout_s="1.0", total_timeout_s="1.0", circuit_failure_threshold="1")
 
 
 class ScriptedClient:

@@ -73,3 +73,9 @@ def test_api_key_from_env_var_or_file(tmp_path):
     missing = parse_settings({"api_key_file": str(tmp_path / "absent")}, {})
     key, where = missing.load_api_key({})
     assert key is None and "absent" in where
+
+
+def test_an_attempt_timeout_longer_than_the_request_is_refused_at_load():
+    with pytest.raises(ConfigError, match="timeout_s must not exceed total_timeout_s"):
+        parse_settings({"timeout_s": "40", "total_timeout_s": "30"}, environ={})
+    assert parse_settings({"timeout_s": "30", "total_timeout_s": "30"}, environ={}).timeout_s == 30
