@@ -106,7 +106,8 @@ async def run(args):
             progress.clear()
             if failed:
                 failures += 1
-                unanswered += not outcome.answered
+                # Sent and never answered (an unreadable file was never sent).
+                unanswered += outcome.retryable and not outcome.answered
                 if args.json:
                     print(json.dumps({"image": str(path), "error": str(outcome),
                                       "retryable": outcome.retryable}), flush=True)

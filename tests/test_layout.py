@@ -21,9 +21,12 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BACKENDS = sorted(p.parent for p in (REPO / "backends").glob("*/model.py"))
-BACKEND_MODULES = {p.stem for b in BACKENDS for p in b.glob("*.py")}
+BACKEND_MODULES = {p.stem for b in BACKENDS for p in b.rglob("*.py")}
 REPO_PACKAGES = {"serving", "tools", "tests", "scripts", "classify_describe", "backends"}
-STDLIB = set(sys.stdlib_module_names)
+# serving/ runs under the container's system Python (3.10 in the NGC 24.10 image):
+# modules that came later do not count as standard library there.
+STDLIB = set(sys.stdlib_module_names) - {"tomllib", "_tomllib", "wsgiref.types"}
+TEST_MODULES = {p.stem for p in (REPO / "tests").rglob("*.py")} - {"__init__", "conftest"}
 
 
 def python_files(*folders):
@@ -42,7 +45,9 @@ def imported(path):
 
 
 def first_party(names):
-    return {n for n in names if n in REPO_PACKAGES or n in BACKEND_MODULES}
+    """Names that resolve to this repository: its packages, the backends'
+    modules, and the tests' modules (tests/unit is on pytest's pythonpath)."""
+    return {n for n in names if n in REPO_PACKAGES or n in BACKEND_MODULES or n in TEST_MODULES}
 
 
 def test_the_layout_has_the_folders_the_rules_name():
@@ -53,8 +58,8 @@ def test_the_layout_has_the_folders_the_rules_name():
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda p: p.name)
 def test_a_backend_imports_nothing_from_the_rest_of_the_repository(backend):
-    own = {p.stem for p in backend.glob("*.py")}
-    for path in backend.glob("*.py"):
+    own = {p.stem for p in backend.rglob("*.py")}
+    for path in backend.rglob("*.py"):
         foreign = first_party(imported(path)) - own
         assert not foreign, f"{path.relative_to(REPO)} imports {sorted(foreign)}"
 
@@ -75,17 +80,40 @@ def test_the_client_imports_only_itself_and_its_declared_dependencies():
 def test_nothing_imports_tests_and_shipped_code_never_imports_tools():
     for path in python_files("backends", "serving", "classify_describe", "tools", "scripts"):
         names = imported(path)
-        assert "tests" not in names, f"{path.relative_to(REPO)} imports tests/"
+        assert not names & ({"tests"} | TEST_MODULES), f"{path.relative_to(REPO)} imports tests/"
         if path.parts[len(REPO.parts)] != "tools":
             assert "tools" not in names, f"{path.relative_to(REPO)} imports tools/, which does not ship"
+            # Nor by name at run time (importlib, `python -m tools.x` in a subprocess).
+            strings = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant)
+                       and isinstance(n.value, str)]
+            assert not [s for s in strings if s.startswith(("tools.", "tests."))], path.relative_to(REPO)
+
+
+def test_no_installed_package_shadows_a_backend_module():
+    """Triton's stub appends a backend's folder to sys.path: an installed module
+    with the same name as one of ours would be imported instead."""
+    import subprocess
+
+    names = sorted(BACKEND_MODULES - {"model"})
+    found = subprocess.run([sys.executable, "-I", "-c", "import importlib.util, sys; "
+                            "print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n)))", *names],
+                           cwd="/", capture_output=True, text=True, check=True).stdout.split()
+    assert found == [], f"installed packages shadow backend modules: {found}"
 
 
 def edits_sys_path(tree):
-    """sys.path.insert/append/extend(...) or an assignment to sys.path."""
+    """sys.path.insert/append/extend(...), an assignment to sys.path or a slice
+    of it, `from sys import path`, or site.addsitedir(...)."""
     def is_sys_path(node):
+        if isinstance(node, ast.Subscript):
+            node = node.value
         return (isinstance(node, ast.Attribute) and node.attr == "path"
                 and isinstance(node.value, ast.Name) and node.value.id == "sys")
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
+            return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "addsitedir"):
+            return True
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("insert", "append", "extend") and is_sys_path(node.func.value)):
             return True
@@ -97,6 +125,8 @@ def edits_sys_path(tree):
 
 
 def test_no_file_edits_sys_path():
-    assert edits_sys_path(ast.parse("import sys\nsys.path.insert(0, 'x')"))  # the check itself can fail
+    for edit in ("sys.path.insert(0, 'x')", "sys.path[:0] = ['x']", "from sys import path",
+                 "import site; site.addsitedir('x')", "sys.path = []"):
+        assert edits_sys_path(ast.parse(f"import sys\n{edit}")), edit  # the check itself can fail
     for path in python_files("backends", "serving", "classify_describe", "tools", "scripts", "tests"):
         assert not edits_sys_path(ast.parse(path.read_text(), str(path))), f"{path.relative_to(REPO)} edits sys.path"

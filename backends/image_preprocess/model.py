@@ -8,8 +8,9 @@ import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_settings
 from PIL import Image
+
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_settings
 
 INPUT_NAME = "IMAGE"
 OUTPUT_NAME = "PIXELS"

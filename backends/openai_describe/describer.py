@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import aiohttp
 import httpx2
 import openai
+from openai.types.chat import ChatCompletion
+
 from accounting import Usage, cost_usd, tokens_from
 from llm_cache import LRUCache, cache_key
-from openai.types.chat import ChatCompletion
 from prompting import build_messages, fallback_description
 from resilience import CircuitBreaker, Failure, backoff_delay, classify_status
 

@@ -4,6 +4,7 @@ Describer through the Observer interface."""
 import threading
 
 import triton_python_backend_utils as pb_utils
+
 from describer import Observer
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]

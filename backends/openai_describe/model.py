@@ -17,6 +17,7 @@ import traceback
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
 from describer import NO_KEY_HELP, Cancelled, Describer, Job, make_client
 from metrics import Metrics
 from prompting import PromptError, read_labels, read_prompt

@@ -11,6 +11,7 @@ import traceback
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
+
 from classifier import ConfigError, TorchScriptClassifier, load_labels, parse_settings
 
 INPUT_NAME = "PIXELS"

@@ -12,10 +12,11 @@ import time
 import uuid
 
 import pytest
-from settings import DEFAULT_SYSTEM_PROMPT
 
 from classify_describe import AsyncClient, Client, TritonRequestError
 from tools import soak
+
+from settings import DEFAULT_SYSTEM_PROMPT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -288,3 +288,11 @@ def test_cli_exit_code_when_the_server_refuses_every_image(stand_in, no_backoff,
     err = capsys.readouterr().err
     assert code == cli.EXIT_SOME_FAILED, err
     assert "Is the server running" not in err
+
+
+def test_cli_exit_code_when_no_file_can_be_read(no_backoff, tmp_path, capsys):
+    """Wrong paths are the caller's mistake, not a server that is down: exit 1."""
+    code = cli.main(["--url", "127.0.0.1:9"] + [str(tmp_path / "missing.jpg"), str(tmp_path / "gone.png")])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_SOME_FAILED, err
+    assert "Is the server running" not in err

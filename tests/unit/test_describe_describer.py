@@ -6,12 +6,13 @@ import pathlib
 import time
 
 import pytest
-from describer import Cancelled, Describer, Job, Observer, make_client
 from openai.types.chat import ChatCompletion
-from scrubbing import Scrubber
-from settings import parse_settings
 
 from tools.fake_openai import FakeOpenAI
+
+from describer import Cancelled, Describer, Job, Observer, make_client
+from scrubbing import Scrubber
+from settings import parse_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -2,6 +2,7 @@
 
 
 import pytest
+
 from settings import ConfigError, InvalidOverride, parse_settings
 
 

@@ -9,10 +9,11 @@ import sys
 
 import numpy as np
 import pytest
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
 from PIL import Image, ImageFile
 
 from tools.reference import bad_images, png_with_header_size
+
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BACKEND = REPO / "backends" / "image_preprocess"

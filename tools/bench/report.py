@@ -6,7 +6,6 @@ import pathlib
 import statistics
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-DESCRIBE_HEADING = "## describe model"
 
 
 def _median(values):
@@ -187,19 +186,6 @@ def where_time_goes(results):
 
 # -- markdown ---------------------------------------------------------------------------------
 
-def _existing_describe_section(out_path):
-    """The describe-model section another engineer wrote; kept as it is."""
-    try:
-        text = out_path.read_text()
-    except OSError:
-        return None
-    start = text.find(DESCRIBE_HEADING)
-    if start < 0:
-        return None
-    end = text.find("\n## ", start + len(DESCRIBE_HEADING))
-    return text[start:end if end >= 0 else len(text)].rstrip() + "\n"
-
-
 def _rel(path, out_path):
     try:
         return str(pathlib.Path(path).resolve().relative_to(out_path.parent.resolve()))
@@ -214,7 +200,6 @@ def write(results, out_path, plots_dir):
     plots = _plots(results, plots_dir)
     meta = results["meta"]
     params = meta["params"]
-    describe_section = _existing_describe_section(out_path)
     lines = []
     add = lines.append
     load = " / ".join(f"{v:.1f}" for v in meta["load_before"])
@@ -437,8 +422,6 @@ def write(results, out_path, plots_dir):
     else:
         add("Not measured in this mode (run `make bench`).\n")
 
-    if describe_section:
-        add(describe_section)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("\n".join(lines).rstrip() + "\n")
 

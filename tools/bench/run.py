@@ -108,7 +108,7 @@ def run_inprocess(ctx, p):
     command = [sys.executable, "-m", "tools.bench.inprocess", *map(str, ctx.jpeg_paths),
                "--model-dir", str(ctx.triton.repository / "classifier"), "--batch-sizes", p["inproc_batches"],
                "--duration-s", str(p["inproc_s"]), "--threads", str(ctx.torch_threads)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     result["e2e"] = {int(k): v for k, v in result["e2e"].items()}
     result["forward"] = {int(k): v for k, v in result["forward"].items()}
