@@ -96,7 +96,9 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
     supervisor = subprocess.Popen(
         [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
          str(marker), f"--http-port={http_port}", "--grpc-port=7001", "--metrics-port=7002", *address_flags],
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # Started from elsewhere, as in the container (WORKDIR is not the repository):
+        # the watchdog (`python3 -m serving.stub_watchdog`) must find its package.
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})
     # Whatever goes wrong, the test ends: its whole process group (the supervisor,
     # the stand-in and the watchdog, all started here) is killed after 60 s.
@@ -112,6 +114,8 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
         assert len(watchdogs) == 1, "the stub watchdog runs beside the server"
         watchdog_cmdline = cmdline(watchdogs[0]).split("\0")
         assert f"{reached}:{http_port}" in watchdog_cmdline, "the watchdog talks to the server's HTTP port"
+        time.sleep(1.0)  # past its imports and first looks: still running, not a zombie
+        assert procfs.process_state(watchdogs[0]) not in (None, "Z"), "the watchdog died after starting"
 
         supervisor.send_signal(signal.SIGTERM)
         rest = supervisor.stderr.read()
