@@ -18,7 +18,7 @@ import zlib
 
 import pytest
 
-from serving.procfs import rss_mb
+from serving.procfs import http_json, rss_mb
 
 from .public_models import MODELS, lying_bytes
 from .raw_infer import Answer, GrpcInfer, Tensor, fp32_tensor, http_infer
@@ -126,11 +126,7 @@ def malformed_requests(model, valid_requests):
 
 def batch_counts(server, model):
     """{batch size: executions} of one model since the server started."""
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/stats", timeout=30) as r:
-        stats = json.loads(r.read())["model_stats"][0]
+    stats = http_json(f"http://{server.http_url}/v2/models/{model}/stats", timeout=30)["model_stats"][0]
     return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
 
 

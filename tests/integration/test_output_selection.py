@@ -13,6 +13,8 @@ import json
 
 import pytest
 
+from serving.procfs import http_json
+
 from .public_models import MODELS, repository_models
 from .raw_infer import GrpcInfer, http_infer
 
@@ -22,14 +24,7 @@ def test_every_model_of_the_repository_is_listed():
 
 
 def output_names(server, model):
-    return [o["name"] for o in json.loads(http_get(f"http://{server.http_url}/v2/models/{model}/config"))["output"]]
-
-
-def http_get(url):
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return response.read()
+    return [o["name"] for o in http_json(f"http://{server.http_url}/v2/models/{model}/config", timeout=30)["output"]]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
