@@ -19,10 +19,10 @@ import re
 import kubernetes_validate
 import pytest
 import yaml
-from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from scripts import make_gpu_config
+from tools import model_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -432,12 +432,11 @@ def test_gpu_overlay_requests_a_gpu_and_the_classifier_has_a_gpu_config(tmp_path
     source = REPO / "model_repository/classifier/config.pbtxt"
     output = make_gpu_config.write_gpu_config(source, tmp_path / "configs/gpu.pbtxt")
     assert output.read_text().startswith("# GENERATED")
-    gpu = text_format.Parse(output.read_text(), model_config_pb2.ModelConfig())
-    expected = text_format.Parse(source.read_text(), model_config_pb2.ModelConfig())
+    gpu, expected = model_config.read(output), model_config.read(source)
     assert [g.kind for g in expected.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
     del expected.instance_group[:]
     expected.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
-    assert gpu == expected, text_format.MessageToString(gpu)
+    assert gpu == expected, model_config.render(gpu)
     assert not gpu.instance_group[0].HasField("rate_limiter")
     assert make_gpu_config.default_output(source) == source.parent / "configs/gpu.pbtxt"
 

@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 
+from tools import model_config
 from tools.bench import run
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classifier/config.pbtxt"
@@ -15,7 +16,7 @@ CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classif
 
 @pytest.fixture(scope="module")
 def shipped():
-    return run.read_config(CONFIG.read_text())
+    return model_config.read(CONFIG)
 
 
 def test_the_shipped_config_reads_back(shipped):
@@ -27,7 +28,7 @@ def test_the_shipped_config_reads_back(shipped):
 @pytest.mark.parametrize("name", sorted(run.TUNING_VARIANTS))
 def test_every_variant_renders_a_config_that_parses(shipped, name):
     config = run.classifier_config(shipped, **run.TUNING_VARIANTS[name])
-    assert run.read_config(run.write_config(config)) == config
+    assert model_config.parse(model_config.render(config)) == config
     variant = run.TUNING_VARIANTS[name]
     assert config.HasField("dynamic_batching") == variant.get("batching", True)
     if "threads" in variant:

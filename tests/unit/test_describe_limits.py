@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.unit.test_describe_model import fake, make_model  # noqa: F401  (fixtures reused)
+from tools import model_config
 
 from prompting import PromptError, read_prompt
 from settings import ConfigError, InvalidOverride, parse_settings
@@ -48,10 +49,7 @@ def test_max_tokens_above_the_limit_names_max_tokens_limit():
 
 
 def test_limits_are_in_the_committed_config_and_overridable():
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    committed = text_format.Parse(CONFIG.read_text(), model_config_pb2.ModelConfig()).parameters
+    committed = model_config.read(CONFIG).parameters
     for key in ("max_prompt_chars", "max_tokens_limit", "max_labels", "max_label_chars", "max_request_models"):
         assert key in committed
     settings = parse_settings({"max_prompt_chars": "50"}, environ={"LLM_MAX_PROMPT_CHARS": "12"})

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
+from tools.model_config import read as read_model_config
 from tools.reference import bad_images, png_with_header_size
 
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
@@ -42,10 +43,7 @@ model_module = load_adapter_module()
 
 def committed_parameters():
     """The `parameters` of the committed config.pbtxt, as Triton hands them to the model."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    config = text_format.Parse(CONFIG.read_text(), model_config_pb2.ModelConfig())
+    config = read_model_config(CONFIG)
     assert config.parameters, "no parameters found in config.pbtxt"
     return {key: {"string_value": value.string_value} for key, value in config.parameters.items()}
 

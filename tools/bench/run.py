@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 
+from tools import model_config
 from tools.bench import clients, harness, inputs, report
 
 REPO = harness.REPO
@@ -226,20 +227,6 @@ TUNING_VARIANTS = {
 }
 
 
-def read_config(text):
-    """A config.pbtxt as Triton reads it (protobuf text format), not by regex."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    return text_format.Parse(text, model_config_pb2.ModelConfig())
-
-
-def write_config(config):
-    from google.protobuf import text_format
-
-    return text_format.MessageToString(config)
-
-
 def classifier_config(shipped, batching=True, delay_us=None, preferred=None, threads=None, instances=None):
     """A copy of the classifier's config (a ModelConfig) with some scheduling settings replaced."""
     config = type(shipped)()
@@ -283,7 +270,7 @@ def measure_tuning(ctx, p):
     """The sweep behind the shipped classifier config: alternatives on the temp repository."""
     config_path = ctx.triton.repository / "classifier/config.pbtxt"
     shipped_text = config_path.read_text()
-    shipped = read_config(shipped_text)
+    shipped = model_config.parse(shipped_text)
     rows = []
     try:
         for name in p["tuning"]:
@@ -292,7 +279,7 @@ def measure_tuning(ctx, p):
                 log(f"tuning {name}: the same as the shipped config, skipped")
                 continue
             label = describe_classifier_config(config) + (" (shipped)" if config == shipped else "")
-            text = shipped_text if config == shipped else write_config(config)
+            text = shipped_text if config == shipped else model_config.render(config)
             if config_path.read_text() != text:
                 config_path.write_text(text)
                 ctx.triton.load("classifier")
@@ -389,7 +376,7 @@ def main(argv=None):
         # distinct prompt: each request is one real upstream call.
         ctx.triton = harness.Triton(workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
         meta["server_startup_s"] = ctx.triton.startup_s
-        shipped_config = read_config((ctx.triton.repository / "classifier/config.pbtxt").read_text())
+        shipped_config = model_config.read(ctx.triton.repository / "classifier/config.pbtxt")
         # The in-process baseline gets as many torch threads as all classifier
         # instances use together: the same compute, spent in one process.
         ctx.torch_threads = classifier_threads(shipped_config) * classifier_instances(shipped_config)
