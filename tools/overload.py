@@ -32,8 +32,6 @@ import numpy as np
 from classify_describe.client import backoff_s  # the clients' own back-off
 from tools.local_stack import FakeLLM, TritonServer
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
 ENSEMBLE = "classify_and_describe"
 # A queue policy's refusal; any other error (UNAVAILABLE included: a model
 # unloading, the LLM step failing with on_failure=error) is a lost request.
