@@ -24,11 +24,14 @@ class Tensor:
     raw: bytes  # the wire bytes, exactly as sent
 
 
+def element(data):
+    """One BYTES element on the wire: its 4-byte little-endian length, then the bytes."""
+    return struct.pack("<I", len(data)) + data
+
+
 def bytes_tensor(name, rows, shape=None):
-    """A BYTES tensor from a list of rows of bytes elements, each prefixed with
-    its true 4-byte little-endian length."""
-    elements = [e for row in rows for e in row]
-    raw = b"".join(struct.pack("<I", len(e)) + e for e in elements)
+    """A BYTES tensor from a list of rows of bytes elements, each with its true length."""
+    raw = b"".join(element(e) for row in rows for e in row)
     return Tensor(name, "BYTES", shape or [len(rows), len(rows[0])], raw)
 
 

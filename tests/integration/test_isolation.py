@@ -20,8 +20,8 @@ import pytest
 
 from serving.procfs import http_json, rss_mb
 
-from .public_models import MODELS, lying_bytes
-from .raw_infer import Answer, GrpcInfer, Tensor, fp32_tensor, http_infer
+from .public_models import MODELS
+from .raw_infer import Answer, GrpcInfer, Tensor, element, fp32_tensor, http_infer
 
 VALID_THREADS = 6
 MALFORMED_THREADS = 2
@@ -43,8 +43,9 @@ BYTES_INPUTS = {  # model -> its client-supplied BYTES inputs
 FP32_INPUTS = {"classifier": ("PIXELS",), "describe": ("SCORES",)}
 
 
-def element(data):
-    return struct.pack("<I", len(data)) + data
+def lying_bytes(length_claimed=0x7FFFFFFF, actual=b"abcd"):
+    """One BYTES element whose 4-byte length prefix claims more than follows."""
+    return struct.pack("<I", length_claimed) + actual
 
 
 def png_header(width, height):
@@ -162,7 +163,7 @@ def test_a_bad_request_fails_alone(triton, valid_requests, memory, model, protoc
         while not valid_done.is_set() and time.monotonic() < deadline:
             answer = send(valid_requests.inputs(model))
             problems = [f"{answer.code}: {answer.message[:200]}"] if not answer.ok \
-                else valid_requests.check(model, answer.outputs)
+                else valid_requests.check(answer.outputs)
             with lock:
                 counts["valid"] += 1
                 if problems:
