@@ -14,6 +14,8 @@ returns None; that loop sends the responses through the response sender.
 """
 
 import asyncio
+import base64
+import binascii
 import concurrent.futures
 import dataclasses
 import json
@@ -277,7 +279,7 @@ class TritonPythonModel:
         if labels.shape != scores.shape or labels.ndim != 2 or labels.shape[1] == 0:
             raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
                                "must have the same non-empty shape")
-        overrides = self._overrides(request)
+        overrides = self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
         jobs = [self._job(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
                           overrides)
                 for row in range(labels.shape[0])]
@@ -291,12 +293,9 @@ class TritonPythonModel:
         prompts = _input(request, "PROMPT")
         prompt = prompts.reshape(-1)[0] if prompts is not None else None
         read_prompt(prompt, self.settings.max_prompt_chars)
-        overrides = self._overrides(request)
+        overrides = self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
         self.request_models.admit(overrides[0])
-        return _PhotoJob(_input(request, "IMAGE"), prompt, overrides)
-
-    def _overrides(self, request):
-        return self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+        return _PhotoJob(_photo(_input(request, "IMAGE")), prompt, overrides)
 
     def _job(self, labels, scores, raw_prompt, overrides):
         row_scores = tuple(float(x) for x in scores)
@@ -329,6 +328,20 @@ class _Reject(Exception):
 def config_parameters(model_config):
     """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+def _photo(image):
+    """IMAGE as sent, or decoded when it is base64 text: HTTP generate_stream
+    takes JSON only, where a photo can only travel as base64. A photo's own
+    bytes are never all base64 characters, so nothing else is decoded."""
+    raw = image.reshape(-1)[0]
+    if isinstance(raw, (bytes, bytearray)) and raw:
+        try:
+            decoded = base64.b64decode(bytes(raw), validate=True)
+        except binascii.Error:
+            return image
+        return np.array([[decoded]], dtype=np.object_)
+    return image
 
 
 def _input(request, name):
