@@ -290,12 +290,15 @@ class TritonPythonModel:
     def _photo_job(self, request):
         """A request to a model with classify_model (IMAGE, optional PROMPT): what
         its Job needs besides the labels, checked now (INVALID_ARG as _jobs)."""
+        image = _input(request, "IMAGE")
+        if image is None or image.size != 1:
+            raise InvalidInput("IMAGE is required: one encoded photo per request")
         prompts = _input(request, "PROMPT")
         prompt = prompts.reshape(-1)[0] if prompts is not None else None
         read_prompt(prompt, self.settings.max_prompt_chars)
         overrides = self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
         self.request_models.admit(overrides[0])
-        return _PhotoJob(_photo(_input(request, "IMAGE")), prompt, overrides)
+        return _PhotoJob(_photo(image), prompt, overrides)
 
     def _job(self, labels, scores, raw_prompt, overrides):
         row_scores = tuple(float(x) for x in scores)
