@@ -18,6 +18,7 @@ import base64
 import binascii
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,6 +39,8 @@ from streaming import describe_stream
 # Without an API key a local endpoint still wants some bearer string.
 NO_KEY_PLACEHOLDER = "no-key-required"
 CLASSIFY_THREADS = 32
+# Streams: threads that send responses and ask Triton about cancellations, off the loop.
+SEND_THREADS = 4
 
 
 class InvalidInput(ValueError):
@@ -90,6 +93,11 @@ class TritonPythonModel:
 
         self.describer = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
         self.flusher = asyncio.run_coroutine_threadsafe(self._flush_metrics(), self.loop)
+        if self.decoupled:
+            self.watched = set()
+            self.send_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=SEND_THREADS, thread_name_prefix=f"{self.model_name}-send")
+            self.watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self.loop)
         self.log.info(
             f"upstream {s.base_url} model {s.model}; key from {key_source}: "
             f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
@@ -129,6 +137,8 @@ class TritonPythonModel:
                 if pending:
                     await asyncio.wait(pending, timeout=5.0)
             self.flusher.cancel()
+            if self.decoupled:
+                self.watcher.cancel()
             self.metrics.flush()
             await self.describer.aclose()
 
@@ -139,6 +149,8 @@ class TritonPythonModel:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10.0)
         self.loop.close()  # shuts the BLS executor down too
+        if self.decoupled:
+            self.send_pool.shutdown(wait=False)
 
     # -- on the loop thread -----------------------------------------------------------
 
@@ -196,38 +208,41 @@ class TritonPythonModel:
             self.log.error(f"could not send a response: {self.scrub(exc)}")
 
     async def _stream(self, request, work, received):
-        """LABELS and SCORES first, then one response per chunk of the description
+        """LABELS and SCORES first, then the description chunk by chunk
         (DESCRIPTION), then DESCRIPTION_SOURCE and USAGE with the final flag.
         An error before the labels (a photo the classifier refused) is the
         stream's only response; one after them (cancelled, on_failure=error,
         unloading, a bug) its last."""
-        sender = request.get_response_sender()
+        out = _Outbox(request.get_response_sender(), self.loop, self.send_pool)
         stats = self.metrics.stream_started()
-
-        def send(tensors, final=False):
-            sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        cancelled = _Watch(request)
+        self.watched.add(cancelled)
 
         def emit(text):
-            send([_bytes_tensor("DESCRIPTION", [text])])
+            out.text(text)
             stats.chunk(time.monotonic() - received)
 
         response = None
         try:
             if isinstance(work, _PhotoJob):
-                job = await self._classify(work, request.is_cancelled)
+                job = await self._classify(work, cancelled)
             else:
                 job = work
-            send([pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
-                  pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))])
+            await out.send([
+                pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
+                pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))])
             stats.labels(time.monotonic() - received)
-            result = await describe_stream(self.describer, job, emit, request.is_cancelled)
+            result = await describe_stream(self.describer, job, emit, cancelled)
+            await out.drain()
             if result.outcome == "error":  # on_failure=error
                 response = _error_response(f"the LLM upstream could not answer ({result.usage.fallback_reason})",
                                            pb_utils.TritonError.UNAVAILABLE)
             else:
-                send([_bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
-                      _bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
+                if result.usage.chunks is not None:
+                    result.usage.chunks = out.text_responses  # text that came together went out together
+                cancelled.close()
+                await out.send([_bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
+                                _bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
         except _Reject as exc:
             if exc.code == pb_utils.TritonError.INVALID_ARG:
                 self.metrics.request_done(None, "invalid", None)
@@ -241,12 +256,31 @@ class TritonPythonModel:
             self.log.error(f"describe stream failed:\n{self.scrub(traceback.format_exc())}")
             response = _error_response("internal error in the describe step", pb_utils.TritonError.INTERNAL)
         finally:
+            cancelled.close()
+            self.watched.discard(cancelled)
             stats.done(time.monotonic() - received)
         if response is not None:
             try:
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                await out.drain()  # nothing may follow the final response
+            except Exception:
+                pass
+            try:
+                await out.send([], error=response)
             except Exception as exc:
                 self.log.error(f"could not send a response: {self.scrub(exc)}")
+
+    async def _watch_cancellations(self):
+        """Refresh every open stream's cancelled flag every cancel_poll_s, in a
+        sender thread: each is_cancelled() is a round trip to Triton, which the
+        loop must not wait on 500 times a poll."""
+        while True:
+            await asyncio.sleep(self.settings.cancel_poll_s)
+            open_streams = [watch for watch in self.watched if not watch.cancelled]
+            if open_streams:
+                try:
+                    await self.loop.run_in_executor(self.send_pool, _poll_cancelled, open_streams)
+                except Exception as exc:  # a failed poll must not end the polling
+                    self.log.error(f"cancellation poll failed: {self.scrub(exc)}")
 
     async def _classify(self, work, is_cancelled):
         """LABELS and SCORES of the photo from classify_model (a BLS call on the
@@ -313,6 +347,71 @@ class TritonPythonModel:
     def _send_error(self, request, message, code):
         request.get_response_sender().send(
             _error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class _Outbox:
+    """One stream's responses, sent in order from the sender threads so that the
+    loop never waits on Triton (each send is a round trip to the server).
+    Text that comes while an earlier send is still on its way goes out
+    together in the next response: under load a chunk holds several tokens
+    instead of the stream falling behind."""
+
+    def __init__(self, sender, loop, pool):
+        self.sender, self.loop, self.pool = sender, loop, pool
+        self.pending = []
+        self.flushing = None
+        self.text_responses = 0
+
+    def text(self, text):
+        self.pending.append(text)
+        if self.flushing is None or self.flushing.done():
+            self.flushing = self.loop.create_task(self._flush())
+
+    async def _flush(self):
+        while self.pending:
+            text = "".join(self.pending)
+            self.pending.clear()
+            await self.send([_bytes_tensor("DESCRIPTION", [text])])
+            self.text_responses += 1
+
+    async def drain(self):
+        if self.flushing is not None:
+            await self.flushing
+
+    async def send(self, tensors, final=False, error=None):
+        response = error if error is not None else pb_utils.InferenceResponse(output_tensors=tensors)
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final or error is not None else 0
+        await self.loop.run_in_executor(self.pool, functools.partial(self.sender.send, response, flags=flags))
+
+
+class _Watch:
+    """A stream's is_cancelled() as a flag the loop reads for free; the
+    model's watcher refreshes it (_poll_cancelled) until close().
+
+    close() comes before the stream's final response: asking Triton about a
+    request whose final response went out crashes the server (2.51 segfaults
+    in TRITONBACKEND_ResponseFactoryIsCancelled), so the lock keeps a poll
+    and the final send apart."""
+
+    def __init__(self, request):
+        self.request = request
+        self.cancelled = False
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        return self.cancelled
+
+    def close(self):
+        with self.lock:  # waits for at most one poll in progress
+            self.closed = True
+
+
+def _poll_cancelled(watches):
+    for watch in watches:
+        with watch.lock:
+            if not watch.closed:
+                watch.cancelled = watch.request.is_cancelled()
 
 
 @dataclasses.dataclass(frozen=True)
