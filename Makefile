@@ -48,6 +48,7 @@ help:
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
 	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
+	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
 	@echo "make overload       10x the saturating load: fast refusals, bounded latency, nothing lost"
@@ -149,6 +150,13 @@ bench: build perf-analyzer
 
 bench-quick: build perf-analyzer
 	$(PY) -m tools.bench.run --mode quick --results $(BUILD)/bench/quick/results.json
+
+# Streaming (tools/bench/streaming.py): time to labels vs classify, time to first token vs the
+# SDK direct, 500 concurrent streams, perf_analyzer --streaming; about 3 minutes.
+#   make bench-stream   docs/results/streaming.json + docs/benchmarks-streaming.md
+.PHONY: bench-stream
+bench-stream: build perf-analyzer
+	$(PY) -m tools.bench.streaming --mode full
 
 # Soak and faults (docs/reliability.md): fake LLM upstream + one server on loopback
 # free ports, valid load at the concurrency that saturates the ensemble, the

@@ -5,9 +5,15 @@ fallback before the first token, a stream cut short after it, the client
 cancelling, a cached answer replayed, and bad input answered with a clear
 error as the stream's only response."""
 
+import asyncio
 import base64
+import http.client
 import json
+import pathlib
 import queue
+import re
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -16,6 +22,8 @@ import uuid
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+
+from classify_describe import TritonRequestError
 
 from .public_models import COFFEE_TOP1, STREAM_MODELS
 
@@ -262,30 +270,51 @@ def test_the_api_key_never_shows_in_a_stream(triton, llm, requests_, test_api_ke
     assert test_api_key not in triton.log()
 
 
-def test_a_client_that_closes_its_stream_stops_the_upstream_stream(triton, llm, requests_):
-    """gRPC: the server sees the cancellation and closes the upstream connection
-    within about cancel_poll_s (0.25 s in the stream models' configs)."""
+def open_then_close(server, requests_, protocol, prompt):
+    """Start a long stream, read its labels and three chunks, close it: when it was closed."""
+    if protocol == "grpc":
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        answers = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer("classify_and_describe_stream",
+                                  requests_.grpc_inputs("classify_and_describe_stream", prompt),
+                                  enable_empty_final_response=True)
+        for _ in range(4):
+            result, error = answers.get(timeout=STREAM_TIMEOUT_S)
+            assert error is None, error
+        closed_at = time.time()
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        return closed_at
+    host, port = server.http_url.split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=STREAM_TIMEOUT_S)
+    connection.request("POST", "/v2/models/classify_and_describe_stream/generate_stream",
+                       body=json.dumps(requests_.http_body("classify_and_describe_stream", prompt)))
+    response = connection.getresponse()
+    events = 0
+    while events < 4:
+        events += response.fp.readline().startswith(b"data:")
+    closed_at = time.time()
+    connection.sock.close()
+    connection.close()
+    return closed_at
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_client_that_closes_its_stream_stops_the_upstream_stream(triton, llm, requests_, protocol):
+    """The server sees the cancellation (gRPC: the stream cancelled; HTTP: the
+    connection closed) and closes the upstream connection within about
+    cancel_poll_s (0.25 s in the stream models' configs)."""
     llm.admin("mode", {"mode": "ok", "chunk_ms": 50, "answer_words": 400})  # a 20 s answer
     before = stats(llm)
-    client = grpcclient.InferenceServerClient(triton.grpc_url)
-    answers = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    client.async_stream_infer("classify_and_describe_stream",
-                              requests_.grpc_inputs("classify_and_describe_stream", f"Long ({uuid.uuid4().hex})"),
-                              enable_empty_final_response=True)
-    for _ in range(4):  # the labels and three chunks
-        result, error = answers.get(timeout=STREAM_TIMEOUT_S)
-        assert error is None, error
-    cancelled_at = time.time()
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    closed_at = open_then_close(triton, requests_, protocol, f"Long ({uuid.uuid4().hex})")
     deadline = time.monotonic() + 5
     while stats(llm)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
         time.sleep(0.02)
     after = stats(llm)
     assert after["disconnected"] == before["disconnected"] + 1, "the upstream stream was not closed"
-    closed_after_s = after["disconnect_times"][-1] - cancelled_at
-    print(f"\nupstream connection closed {closed_after_s * 1000:.0f} ms after the client cancelled")
+    closed_after_s = after["disconnect_times"][-1] - closed_at
+    print(f"\n{protocol}: upstream connection closed {closed_after_s * 1000:.0f} ms after the client closed")
     assert closed_after_s < 1.0
     assert after["streams_completed"] == before["streams_completed"]
 
@@ -372,3 +401,69 @@ def test_stream_metrics_are_exported(triton):
         assert value("describe_stream_chunks_total", model) > 0
     assert value("describe_requests_total", extra='outcome="cancelled"') >= 1
     assert value("describe_requests_total", extra='outcome="partial"') >= 1
+
+
+README = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+GENERATE_STREAM_CURL = [block for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+                        if "/generate_stream" in block]
+
+
+def test_the_readme_curl_example_of_generate_stream(triton, llm):
+    assert len(GENERATE_STREAM_CURL) == 1
+    command = GENERATE_STREAM_CURL[0].replace("127.0.0.1:8000", triton.http_url)
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=pathlib.Path(__file__).resolve().parents[2],
+                         env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    events = [json.loads(line[5:]) for line in run.stdout.splitlines() if line.startswith("data:")]
+    assert events[0]["LABELS"][0] == "espresso" and "DESCRIPTION" not in events[0]
+    assert "".join(e.get("DESCRIPTION", "") for e in events).startswith("Fake answer #")
+    assert events[-1]["DESCRIPTION_SOURCE"] == "llm" and json.loads(events[-1]["USAGE"])["chunks"] >= 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_the_client_streams(triton, llm, photos, protocol):
+    from classify_describe import AsyncClient, Client
+
+    llm.admin("mode", {"mode": "ok", "chunk_ms": 10, "answer_words": 15})
+    url = triton.grpc_url if protocol == "grpc" else triton.http_url
+    with Client(url, protocol=protocol) as client:
+        events = list(client.stream(photos["coffee"], prompt=f"Sync ({uuid.uuid4().hex})"))
+        with pytest.raises(TritonRequestError, match="IMAGE"):
+            list(client.stream(b"not a photo"))
+    assert [e.kind for e in events] == ["labels"] + ["text"] * 15 + ["done"]
+    assert events[0].labels[0] == "espresso" and events[-1].result.description_source == "llm"
+    assert events[-1].result.description == "".join(e.text for e in events[1:-1]) == stats(llm)["streamed_answers"][-1]
+
+    async def stream_async():
+        async with AsyncClient(url, protocol=protocol) as client:
+            return [e async for e in client.stream(photos["chelsea"], prompt=f"Async ({uuid.uuid4().hex})")]
+
+    events = asyncio.run(stream_async())
+    assert events[0].kind == "labels" and "cat" in events[0].labels[0]
+    assert events[-1].result.description == stats(llm)["streamed_answers"][-1]
+
+
+def test_leaving_the_client_loop_early_stops_the_upstream(triton, llm, photos):
+    from classify_describe import Client
+
+    llm.admin("mode", {"mode": "ok", "chunk_ms": 50, "answer_words": 400})
+    before = stats(llm)["disconnected"]
+    with Client(triton.grpc_url, protocol="grpc") as client:
+        for event in client.stream(photos["coffee"], prompt=f"Early ({uuid.uuid4().hex})"):
+            if event.kind == "text":
+                break
+    deadline = time.monotonic() + 5
+    while stats(llm)["disconnected"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats(llm)["disconnected"] == before + 1
+
+
+def test_the_command_line_streams(triton, llm):
+    llm.admin("mode", {"mode": "ok", "chunk_ms": 10, "answer_words": 15})
+    run = subprocess.run([sys.executable, "-m", "classify_describe", "docs/sample/coffee.png", "--stream",
+                          "--json", "--prompt", f"CLI ({uuid.uuid4().hex})", "--url", triton.http_url],
+                         cwd=pathlib.Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    events = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [e["event"] for e in events] == ["labels"] + ["text"] * 15 + ["done"]
+    assert events[-1]["result"]["description"] == stats(llm)["streamed_answers"][-1]
