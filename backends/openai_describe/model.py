@@ -80,8 +80,8 @@ class TritonPythonModel:
         self.tasks = set()
         self.loop = asyncio.new_event_loop()
         if s.classify_model:
-            # BLS calls (async_exec) block one executor thread each until the photo is
-            # classified: enough threads to keep the classifier's batches full.
+            # A BLS call blocks one executor thread until the photo is classified:
+            # enough threads to keep the classifier's batches full.
             self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
                 max_workers=CLASSIFY_THREADS, thread_name_prefix=f"{self.model_name}-classify"))
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model_name}-llm", daemon=True)
@@ -225,13 +225,15 @@ class TritonPythonModel:
         response = None
         try:
             if isinstance(work, _PhotoJob):
-                job = await self._classify(work, cancelled)
+                # One executor thread classifies and sends the labels: no hop back to the loop between.
+                job = await self.loop.run_in_executor(None, self._classify, work, out.sender)
             else:
                 job = work
-            await out.send([
-                pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
-                pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))])
+                await out.send(_labels_tensors(job))
             stats.labels(time.monotonic() - received)
+            if cancelled():  # the client left while its photo was classified: no LLM call
+                self.metrics.request_done(None, "cancelled", None)
+                raise Cancelled()
             result = await describe_stream(self.describer, job, emit, cancelled)
             await out.drain()
             if result.outcome == "error":  # on_failure=error
@@ -282,24 +284,23 @@ class TritonPythonModel:
                 except Exception as exc:  # a failed poll must not end the polling
                     self.log.error(f"cancellation poll failed: {self.scrub(exc)}")
 
-    async def _classify(self, work, is_cancelled):
-        """LABELS and SCORES of the photo from classify_model (a BLS call on the
-        loop's executor threads), as a Job. Raises _Reject with the classifier's
-        own error (a photo that is not one: INVALID_ARG), Cancelled."""
-        bls = pb_utils.InferenceRequest(
+    def _classify(self, work, sender):
+        """On an executor thread: LABELS and SCORES of the photo from
+        classify_model (BLS), sent as the stream's first response; the Job.
+        Raises _Reject with the classifier's own error (a photo that is not
+        one: INVALID_ARG)."""
+        response = pb_utils.InferenceRequest(
             model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
-            requested_output_names=["LABELS", "SCORES"])
-        response = await bls.async_exec()
+            requested_output_names=["LABELS", "SCORES"]).exec()
         if response.has_error():
             error = response.error()
             code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
             raise _Reject(error.message(), code)
-        if is_cancelled():  # the client left while its photo was classified: no LLM call
-            self.metrics.request_done(None, "cancelled", None)
-            raise Cancelled()
         labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
         scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
-        return self._job(labels[0], scores[0], work.prompt, work.overrides)
+        job = self._job(labels[0], scores[0], work.prompt, work.overrides)
+        sender.send(pb_utils.InferenceResponse(output_tensors=_labels_tensors(job)))
+        return job
 
     # -- on the model thread --------------------------------------------------------
 
@@ -430,6 +431,11 @@ class _Reject(Exception):
 def config_parameters(model_config):
     """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+def _labels_tensors(job):
+    return [pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))]
 
 
 def _photo(image):
