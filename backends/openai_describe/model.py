@@ -5,9 +5,11 @@ modules beside it.
 Two ways to serve, chosen by the model's transaction policy:
 - not decoupled (`describe`): one response per request, so HTTP /infer and
   the classify_and_describe ensemble work;
-- decoupled (`describe_stream`): a stream per request, LABELS and SCORES
-  first, then the description chunk by chunk as the LLM writes it, then
-  DESCRIPTION_SOURCE and USAGE with the final flag (streaming.py).
+- decoupled (`describe_stream`, `classify_and_describe_stream`): a stream
+  per request, LABELS and SCORES first (with `classify_model`, asked of that
+  model for the request's IMAGE), then the description chunk by chunk as the
+  LLM writes it, then DESCRIPTION_SOURCE and USAGE with the final flag
+  (streaming.py; docs/streaming.md).
 Either way the instance never blocks on the network: execute() only
 validates and hands each request to an asyncio loop in its own thread, then
 returns None; that loop sends the responses through the response sender.
