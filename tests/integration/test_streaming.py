@@ -26,6 +26,7 @@ import tritonclient.grpc as grpcclient
 from classify_describe import TritonRequestError
 
 from .public_models import COFFEE_TOP1, STREAM_MODELS
+from .test_isolation import png_header
 
 PROTOCOLS = ("grpc", "http")
 STREAM_TIMEOUT_S = 60
@@ -340,8 +341,15 @@ GRPC_BAD = {  # case -> (model, inputs builder, parameters, text the error must 
     "temperature_out_of_range": (PHOTO, lambda r: [grpc_bytes("IMAGE", [r.photo])], {"temperature": 5.0},
                                  "temperature"),
     "model_not_allowed": (PHOTO, lambda r: [grpc_bytes("IMAGE", [r.photo])], {"model": "gpt-5-pro"}, "model"),
+    "image_decompression_bomb": (PHOTO, lambda r: [grpc_bytes("IMAGE", [png_header(100_000, 100_000)])], None,
+                                 "IMAGE"),
     "labels_too_many": ("describe_stream", lambda r: [grpc_bytes("LABELS", [b"cup"] * 1000),
                                                       grpc_fp32("SCORES", [0.001] * 1000)], None, "LABELS"),
+    "labels_not_utf8": ("describe_stream", lambda r: [grpc_bytes("LABELS", [b"\xff\xfe"]), grpc_fp32("SCORES", [0.5])],
+                        None, "LABELS"),
+    "scores_missing": ("describe_stream", lambda r: [grpc_bytes("LABELS", [b"cup"])], None, "SCORES"),
+    "describe_prompt_oversized": ("describe_stream", lambda r: [grpc_bytes("LABELS", [b"cup"]), grpc_fp32("SCORES", [0.5]),
+                                                                grpc_bytes("PROMPT", [b"x" * 100_000])], None, "PROMPT"),
     "labels_scores_mismatch": ("describe_stream", lambda r: [grpc_bytes("LABELS", [b"cup", b"mug"]),
                                                              grpc_fp32("SCORES", [0.5])], None, "SCORES"),
     "scores_not_finite": ("describe_stream", lambda r: [grpc_bytes("LABELS", [b"cup"]),
@@ -358,6 +366,9 @@ HTTP_BAD = {  # case -> (model, body builder, text the error must name)
     "temperature_out_of_range": (PHOTO, lambda r: {"IMAGE": base64.b64encode(r.photo).decode(), "temperature": 5},
                                  "temperature"),
     "labels_too_many": ("describe_stream", lambda r: {"LABELS": ["cup"] * 1000, "SCORES": [0.001] * 1000}, "LABELS"),
+    "scores_missing": ("describe_stream", lambda r: {"LABELS": ["cup"]}, "SCORES"),
+    "describe_prompt_oversized": ("describe_stream", lambda r: {"LABELS": ["cup"], "SCORES": [0.5], "PROMPT": "x" * 100_000},
+                                  "PROMPT"),
     "scores_as_text": ("describe_stream", lambda r: {"LABELS": ["cup"], "SCORES": ["high"]}, "Unable to parse"),
 }
 
