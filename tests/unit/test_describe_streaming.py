@@ -109,3 +109,14 @@ def test_without_a_key_the_fallback_is_the_one_chunk():
         chunks, r = await stream(d)
         assert r.usage.fallback_reason == "no_api_key" and chunks == [r.description] and fake.stats["requests"] == 0
     run(test, key=None)
+
+
+def test_a_stream_that_stalls_after_its_first_token_ends_as_partial():
+    """Each chunk must come within timeout_s of the previous one."""
+    async def test(fake, d, obs):
+        fake.set_mode("ok", chunk_ms=600, answer_words=5)
+        started = asyncio.get_running_loop().time()
+        chunks, r = await stream(d, job(timeout_s=0.3))
+        assert r.source == "llm_partial" and chunks == [r.description] and r.usage.fallback_reason == "timeout"
+        assert asyncio.get_running_loop().time() - started < 1.5 and d._in_flight == 0
+    run(test)
