@@ -46,8 +46,8 @@ help:
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
-	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
-	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
+	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
+	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
 	@echo "make overload       10x the saturating load: fast refusals, bounded latency, nothing lost"
@@ -140,12 +140,13 @@ rehearse: build
 	$(PY) -m tools.rehearse_scaling $(REHEARSE_ARGS)
 
 # Benchmarks: perf_analyzer against a server and a fake LLM upstream that the run
-# starts on free ports (tools/bench/). Not part of `make test`.
-#   make bench         docs/benchmarks.md + docs/plots/*.png (about 15 minutes)
-#   make bench-quick   the headline figures in under 3 minutes (build/bench/quick/)
+# starts on free ports (tools/bench/). Not part of `make test`. The report is
+# generated from the run's results file alone (python -m tools.bench.report FILE).
+#   make bench         docs/results/bench.json, docs/benchmarks.md, docs/plots/*.png (about 20 minutes)
+#   make bench-quick   the targets in about 3 minutes (build/bench/quick/)
 .PHONY: bench bench-quick
 bench: build perf-analyzer
-	$(PY) -m tools.bench.run --mode full --results $(BUILD)/bench/full/results.json
+	$(PY) -m tools.bench.run --mode full
 
 bench-quick: build perf-analyzer
 	$(PY) -m tools.bench.run --mode quick --results $(BUILD)/bench/quick/results.json

@@ -52,9 +52,45 @@ def torchscript_file(repository):
     return pathlib.Path(repository) / "classifier/1/model.pt"
 
 
-# name: (what it is, the file it needs, the worker-side loader)
+def _onnx(model_file):
+    """backends/onnx_classifier on `model_file` of the classifier's version folder, with the tensors
+    of the repository's classifier config, or the ones that backend's config declares by default."""
+    def build(repository, threads):
+        import numpy as np
+        from tritonclient.grpc import model_config_pb2
+
+        from tools.backend_code import load
+
+        ort_classifier = load("onnx_classifier", "ort_classifier")
+        config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
+        if config.backend == "onnx_classifier":
+            pixels = config.input[0]
+            name, dims, top_k = pixels.name, list(pixels.dims), {o.name: o for o in config.output}["SCORES"].dims[0]
+            dtype = np.dtype({model_config_pb2.TYPE_UINT8: np.uint8, model_config_pb2.TYPE_FP32: np.float32}[
+                pixels.data_type])
+        else:  # the classifier serves another backend: the graph's own input
+            name, dims, dtype, top_k = "PIXELS", [3, 224, 224], np.dtype(np.uint8), 5
+        classifier = ort_classifier.OnnxClassifier(
+            pathlib.Path(repository) / "classifier/1" / model_file, name, dims, dtype, "SCORES", "LABELS", top_k,
+            intra_op_threads=threads)
+        # As the backend's model.py does with a batch: the config's input type.
+        return lambda batch: classifier.classify(batch.astype(dtype, copy=False))
+    return build
+
+
+def _onnx_file(model_file):
+    def path(repository):
+        # Only where the build has the backend too (branches before it have neither).
+        backend = REPO / "backends/onnx_classifier/ort_classifier.py"
+        return pathlib.Path(repository) / "classifier/1" / model_file if backend.is_file() else backend
+    return path
+
+
+# name: (what it is, the file it needs, the worker-side loader: (repository, threads) -> classify(pixels))
 RUNTIMES = {
     "torchscript": ("PyTorch TorchScript fp32", torchscript_file, _torchscript),
+    "onnx_fp32": ("ONNX Runtime fp32", _onnx_file("model.onnx"), _onnx("model.onnx")),
+    "onnx_int8": ("ONNX Runtime int8", _onnx_file("model.int8.onnx"), _onnx("model.int8.onnx")),
 }
 
 
@@ -68,6 +104,14 @@ def served_runtime(repository):
     config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
     if config.backend == "torchscript_classifier":
         return "torchscript"
+    if config.backend == "onnx_classifier":
+        from tools.backend_code import load
+
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        model_file = load("onnx_classifier", "ort_classifier").parse_settings(parameters).model_file
+        for name, (_, needs, _) in RUNTIMES.items():
+            if name.startswith("onnx") and needs(repository).name == model_file:
+                return name
     raise ValueError(f"no in-process runtime for the classifier's backend {config.backend!r}")
 
 

@@ -274,6 +274,9 @@ def cpu_table(columns):
     places = [w for w in CPU_PLACES if any(w in c for c in columns.values())]
     for where in places:
         lines.append(f"| {where} | " + " | ".join(_f(columns[n].get(where, 0.0), 2) for n in names) + " |")
+    server = [w for w in places if w == "tritonserver" or w.endswith(" stubs")]
+    lines.append("| *server: tritonserver + stubs* | " + " | ".join(
+        f"*{_f(sum(columns[n].get(w, 0.0) for w in server), 2)}*" for n in names) + " |")
     lines.append("| everything else on the machine | " + " | ".join(
         _f(columns[n]["machine"] - sum(columns[n].get(w, 0.0) for w in places), 2) for n in names) + " |")
     lines.append("| **whole machine** | " + " | ".join(f"**{_f(columns[n]['machine'], 2)}**" for n in names) + " |")
@@ -311,7 +314,8 @@ def write(results, out_path, plots_dir):
     add(f"Generated from `{meta.get('results_file', 'the results file')}`, the results of one run of "
         f"`{meta['command']}` (tools/bench/run.py, mode `{meta['mode']}`) on {meta['date']}, commit "
         f"`{meta['commit']}`. Regenerate it from that file: `.venv/bin/python -m tools.bench.report "
-        f"{meta.get('results_file', 'RESULTS_JSON')}`. How the figures are measured and how to read them: "
+        f"{meta.get('results_file', 'RESULTS_JSON')} --out {_repo_path(out_path)}`. How the figures are measured "
+        "and how to read them: "
         f"[{METHOD_DOC}]({METHOD_DOC}).\n")
     add(f"- Machine: {meta['machine']}.")
     add(f"- Load: 1/5/15-min load average {load_before} before the run and {load_after} after; "
@@ -570,6 +574,11 @@ def _extra_sections(results, add):
             for line in module.render(section):
                 add(line)
             add("")
+
+
+def _repo_path(path):
+    path = pathlib.Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def version(name):

@@ -41,7 +41,7 @@ MODES = {
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
                   tuning=("no_batching",), tuning_c=(2,)),
     "quick": dict(window_ms=1500, window_cap_ms=4000, trials=3, repeats=1, inproc_s=1.0, inproc_batches=(1, 2),
-                  limit_c=8, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
+                  limit_c=8, hiding_abba=False, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
                   describe_n=60, pattern_latency_ms=200, pattern_c=16, pattern_blocks=1, pattern_s=4.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=()),
