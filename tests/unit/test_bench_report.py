@@ -143,3 +143,24 @@ def test_in_process_layouts_spend_every_core_one_way_or_the_other():
 def test_the_served_runtime_is_read_from_the_classifier_config():
     runtime = inprocess.served_runtime(REPO / "model_repository")
     assert runtime in inprocess.RUNTIMES
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch):
+    from tools.bench import run
+
+    def broken(ctx):
+        raise RuntimeError("no such model")
+
+    good = types.SimpleNamespace(NAME="good", measure=lambda ctx: {"value": 1})
+    bad = types.SimpleNamespace(NAME="bad", measure=broken)
+    monkeypatch.setattr(sections, "modules", lambda: [bad, good])
+    latencies = []
+    ctx = types.SimpleNamespace(llm=types.SimpleNamespace(set_latency=latencies.append))
+    assert run.measure_sections(ctx) == {"bad": {"error": "RuntimeError: no such model"}, "good": {"value": 1}}
+    assert latencies == [0, 0]  # the fake LLM is left at 0 ms after each
+
+
+def test_a_worker_that_dies_fails_the_measurement_quickly(tmp_path):
+    # A repository without a classifier model: every worker fails to load and says why.
+    with pytest.raises(RuntimeError, match="in-process torchscript 2x1"):
+        inprocess.measure_layout("torchscript", tmp_path, [], 2, 1, [1], 0.1)

@@ -23,6 +23,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import queue
 import time
 
 from tools import model_config
@@ -184,7 +185,16 @@ def measure_layout(runtime, repository, jpegs, processes, threads, batch_sizes, 
     for worker in workers:
         worker.start()
     try:
-        outs = [results.get(timeout=BARRIER_TIMEOUT_S + 60 * duration_s) for _ in workers]
+        outs, deadline = [], time.monotonic() + BARRIER_TIMEOUT_S + 60 * duration_s
+        while len(outs) < processes:
+            try:
+                outs.append(results.get(timeout=1))
+            except queue.Empty:
+                # A worker killed outright (out of memory, a crash in native code) reports nothing.
+                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"a worker exited with {dead[0]}" if dead else "timed out"
+                    raise RuntimeError(f"in-process {runtime} {processes}x{threads}: {why}") from None
     finally:
         for worker in workers:
             worker.join(timeout=30)
