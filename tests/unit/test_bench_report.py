@@ -10,6 +10,7 @@ data/bench_results_smoke.json is a real results file of
 import copy
 import json
 import pathlib
+import re
 import sys
 import types
 
@@ -164,3 +165,22 @@ def test_a_worker_that_dies_fails_the_measurement_quickly(tmp_path):
     # A repository without a classifier model: every worker fails to load and says why.
     with pytest.raises(RuntimeError, match="in-process torchscript 2x1"):
         inprocess.measure_layout("torchscript", tmp_path, [], 2, 1, [1], 0.1)
+
+
+def test_the_committed_report_is_what_its_results_file_generates(tmp_path):
+    """docs/benchmarks.md is never edited by hand: it is exactly what the results file it names renders."""
+    committed = (REPO / "docs/benchmarks.md").read_text()
+    source = committed.split("`", 2)[1]  # "Generated from `docs/results/....json`, ..."
+    assert source.startswith("docs/results/") and (REPO / source).is_file(), source
+    out = tmp_path / "benchmarks.md"
+    report.write(report.load(REPO / source), out, tmp_path / "plots")
+    assert out.read_text().replace(f"--out {out}", "--out docs/benchmarks.md") == committed
+
+
+def test_every_results_file_the_readme_names_is_committed():
+    readme = (REPO / "README.md").read_text()
+    named = set(re.findall(r"docs/results/[\w.-]+\.json", readme))
+    assert named, "the README's benchmark figures name their results file"
+    # docs/results/bench.json is where `make bench` writes; the README names it as that, not as a source.
+    for path in named - {"docs/results/bench.json"}:
+        assert (REPO / path).is_file(), path

@@ -372,13 +372,17 @@ def _limits_section(results, add, plots, out_path):
     c = limits["concurrency"]
     runtimes = list(fig["rows"][0]["limits"])
     names = {runtime: _runtime_name(results, runtime) for runtime in runtimes}
+    first = limits["turns"][0]["inprocess"]
+    batches = sorted({b for r in runtimes for row in first[r]["layouts"] for b in row["e2e"]})
+    order = (" in turns, Triton first in odd turns and in-process first in even ones" if len(fig["rows"]) > 1
+             else ", Triton first")
     add("## 1. Served throughput against the in-process limits\n")
     add(f"`classify` and `classify_and_describe` (fake LLM at 0 ms) under perf_analyzer at concurrency {c}, and "
         "`tools/bench/inprocess.py`: the same preprocess and classifier code with the model repository's settings, "
-        f"per runtime, in the layouts {', '.join(meta.get('layouts', []))} (processes x threads) at batch sizes up "
-        f"to {meta.get('policy_max_batch', '?')}; a runtime's limit is its best layout and batch size. The server's "
-        f"classifier runs {names.get(fig['served_runtime'], fig['served_runtime'])}. {len(fig['rows'])} turn(s), "
-        "the order reversed every other turn.\n")
+        f"per runtime, in the layouts {', '.join(meta.get('layouts', []))} (processes x threads) at batch sizes "
+        f"{', '.join(map(str, batches))}; a runtime's limit is its best layout and batch size. The server's "
+        f"classifier runs {names.get(fig['served_runtime'], fig['served_runtime'])}. {len(fig['rows'])} turn(s)"
+        f"{order}.\n")
     add("| turn | `classify` img/s | ensemble req/s | " +
         " | ".join(f"{names[r]} limit img/s (layout, batch)" for r in runtimes) +
         " | ensemble / PyTorch | classify / own runtime | ensemble / classify |")
@@ -393,8 +397,6 @@ def _limits_section(results, add, plots, out_path):
 
     add("In-process rates, img/s (median over the turns): decode + preprocess + forward at each batch size, "
         "the forward pass alone at the best batch size, and the decode + preprocess alone.\n")
-    first = limits["turns"][0]["inprocess"]
-    batches = sorted({b for r in runtimes for row in first[r]["layouts"] for b in row["e2e"]})
     add("| runtime | layout | " + " | ".join(f"batch {b}" for b in batches) + " | forward only | decode only |")
     add("| --- | --- |" + " --- |" * len(batches) + " --- | --- |")
     for runtime in runtimes:
