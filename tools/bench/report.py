@@ -338,7 +338,8 @@ def write(results, out_path, plots_dir):
     for row in rows:
         value, bound = row.cells()
         add(f"| {row.name} | {value} | {bound} | {_mark(row.met)} | {row.detail} |")
-    add("")
+    cpu_line = ensemble_cpu_line(results)
+    add(f"\n{cpu_line}\n")
 
     _limits_section(results, add, plots, out_path)
     _hiding_section(results, add)
@@ -362,7 +363,18 @@ def write(results, out_path, plots_dir):
     for row in rows:
         value, bound = row.cells()
         head.append(f"  {row.name}: {value}  [target {bound}: {'met' if row.met else 'NOT met'}]")
+    head.append(f"  {cpu_line}")
     return "\n".join(head)
+
+
+def ensemble_cpu_line(results):
+    """One line: the ensemble's CPU per request by stage (figure 1, median over the turns)."""
+    cpu = _median_cpu([turn["ensemble"] for turn in results["limits"]["turns"]])
+    places = ("classifier stubs", "preprocess stubs", "describe stubs", "tritonserver")
+    stages = ", ".join(f"{where} {_f(cpu.get(where, 0.0))}" for where in places)
+    return (f"CPU per ensemble request (LLM 0 ms, figure 1), ms: {_f(sum(cpu.get(w, 0.0) for w in places))} in the "
+            f"server's processes ({stages}); perf_analyzer {_f(cpu.get('load generator'))}; whole machine "
+            f"{_f(cpu.get('machine'))}.")
 
 
 def _limits_section(results, add, plots, out_path):

@@ -4,7 +4,7 @@ write the report (docs/benchmarks.md) and its plots (docs/plots/*.png).
 One run starts its own fake LLM upstream and tritonserver on free loopback
 ports (a temp copy of model_repository/, so configs can be swapped for the
 tuning sweep), measures every figure side by side on the same machine, stops
-both by PID, and prints the headline ratios.
+both by PID, and prints the targets.
 
 usage: .venv/bin/python -m tools.bench.run --mode full|quick|smoke [--results FILE] [--out FILE] [--plots DIR]
 
