@@ -23,6 +23,7 @@ TIMM_WHEEL := $(DOWNLOADS)/timm-$(TIMM_LABELS_VERSION)-py3-none-any.whl
 CLASSIFIER := model_repository/classifier
 CLASSIFIER_FILE := $(CLASSIFIER)/1/model.pt
 LABELS_FILE := $(CLASSIFIER)/labels.txt
+ONNX_FILES := $(CLASSIFIER)/1/model.onnx $(CLASSIFIER)/1/model.int8.onnx
 GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
 OUR_BACKENDS := $(notdir $(wildcard backends/*))
 PERF_DIR   := $(BUILD)/perf_analyzer
@@ -54,7 +55,7 @@ help:
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
-build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
+build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
 
 # torch first, from TORCH_INDEX_URL (versions.env: PyTorch's CPU-only wheels)
 # besides pip's usual indexes: torch==X matches X+cpu there, which pip ranks
@@ -87,6 +88,10 @@ $(TIMM_WHEEL): | $(VENV_STAMP)
 
 $(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) | $(VENV_STAMP)
 	$(PY) scripts/export_classifier.py --timm-wheel $(TIMM_WHEEL) --model-dir $(CLASSIFIER)
+
+# ONNX fp32 and int8 (calibrated on photos that scikit-image and matplotlib bundle) from the same weights.
+$(ONNX_FILES) &: scripts/export_onnx.py $(CLASSIFIER_FILE) $(LABELS_FILE) | $(VENV_STAMP)
+	$(PY) scripts/export_onnx.py --model-dir $(CLASSIFIER)
 
 # The classifier's config for --model-config-name=gpu, generated from its CPU config.
 $(GPU_CONFIG): scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt | $(VENV_STAMP)
@@ -130,7 +135,7 @@ docker-run:
 	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY $(IMAGE_NAME)
 
 clean:
-	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
+	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
 
 # Scaling rehearsal (docs/scaling.md): two native replicas behind nginx on
 # loopback, one stopped with SIGTERM and restarted under load; stops by itself
