@@ -39,19 +39,19 @@ MODES = {
                   limit_c=2, hiding_abba=False, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
                   describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_blocks=0, pattern_s=1.5, warmup_s=0.5,
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
-                  tuning=("no_batching",), tuning_c=(2,)),
+                  tuning=("no_batching",), tuning_c=(2,), accuracy_crops=10),
     "quick": dict(window_ms=1500, window_cap_ms=4000, trials=3, repeats=1, inproc_s=1.0, inproc_batches=(1, 2),
                   limit_c=8, hiding_abba=False, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
                   describe_n=60, pattern_latency_ms=200, pattern_c=16, pattern_blocks=1, pattern_s=4.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
-                  tuning=(), tuning_c=()),
+                  tuning=(), tuning_c=(), accuracy_crops=100),
     "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches=(1, 2, 4),
                  limit_c=8, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_blocks=2, pattern_s=10.0, warmup_s=2.0,
                  classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
                  ensemble_sweep_latency_ms=200,
                  tuning=("shipped", "no_batching", "delay_2ms", "preferred_8", "threads_2", "two_instances"),
-                 tuning_c=(4, 8)),
+                 tuning_c=(4, 8), accuracy_crops=600),
 }
 
 
@@ -326,6 +326,26 @@ def measure_tuning(ctx, p):
     return rows
 
 
+def measure_accuracy(ctx, p):
+    """int8 against fp32: top-1 agreement and top-5 overlap on random crops of photos the int8
+    calibration never saw, at each crop-size range tools/classifier_accuracy.py measures (its
+    int8_vs_fp32, run here so the figure belongs to this run); None when the build has no int8 graph."""
+    if not {"onnx_fp32", "onnx_int8"} <= set(ctx.runtimes):
+        return None
+    try:
+        from tools import classifier_accuracy
+    except ImportError as exc:
+        return {"error": f"tools/classifier_accuracy.py is not in this build ({exc})"}
+    sets = []
+    for min_area in classifier_accuracy.MIN_AREAS:
+        measured = classifier_accuracy.int8_vs_fp32(p["accuracy_crops"], min_area)
+        sets.append({key: measured[key] for key in ("crops", "min_crop_area", "seed", "top1_agreement",
+                                                      "top5_overlap", "photos")})
+        log(f"int8 vs fp32 on {measured['crops']} crops (min area {min_area}): top-1 agreement "
+            f"{measured['top1_agreement']:.3f}, top-5 overlap {measured['top5_overlap']:.3f}")
+    return {"sets": sets}
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 class Context:
@@ -473,6 +493,7 @@ def main(argv=None):
         results["patterns"] = measure_patterns(ctx, params)
         results["sweeps"] = measure_sweeps(ctx, params)
         results["tuning"] = measure_tuning(ctx, params) if params["tuning"] else []
+        results["accuracy"] = measure_accuracy(ctx, params)
         results["sections"] = measure_sections(ctx)
     finally:
         if ctx.triton is not None:
