@@ -86,4 +86,9 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     assert cpu["two_step"]["load generator"] > cpu["ensemble"]["load generator"]
     assert cpu["ensemble"]["classifier stubs"] > 0 and cpu["ensemble"]["machine"] > cpu["ensemble"]["classifier stubs"]
     assert data["describe"]["triton"]["count"] == 10
+    # int8 against fp32 in the same run, on every crop set the accuracy tool defines.
+    assert [s["crops"] for s in data["accuracy"]["sets"]] == [10] * len(data["accuracy"]["sets"]) != []
+    assert all(0 <= s["top1_agreement"] <= 1 for s in data["accuracy"]["sets"])
+    # Every runtime the build has is measured in-process: TorchScript, ONNX Runtime fp32 and int8.
+    assert sorted(turn["inprocess"]) == ["onnx_fp32", "onnx_int8", "torchscript"]
     assert data["tuning"][0]["name"] == "no_batching" and data["tuning"][0]["results"]

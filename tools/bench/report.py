@@ -39,6 +39,8 @@ def _mark(ok):
 def load(path):
     """A results file, with the integer keys (batch sizes, concurrencies) JSON turned into strings restored."""
     results = json.loads(pathlib.Path(path).read_text())
+    # The file it is read from now, which a committed copy of a run's file may have moved.
+    results["meta"]["results_file"] = _repo_path(path)
     for turn in results.get("limits", {}).get("turns", []):
         for runtime in turn.get("inprocess", {}).values():
             for row in runtime["layouts"]:
