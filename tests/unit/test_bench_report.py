@@ -124,7 +124,7 @@ def test_the_report_is_regenerated_from_the_file_alone(tmp_path):
 def test_an_extra_section_plugs_in(results, tmp_path, monkeypatch):
     module = types.ModuleType("bench_section_for_test")
     module.NAME, module.TITLE = "for_test", "A section from another module"
-    module.render = lambda section: [f"It measured {section['value']} things."]
+    module.render = lambda section: ["## A section from another module", "", f"It measured {section['value']} things."]
     module.targets = lambda section: [report.Target("things measured", section["value"], 3.0)]
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setattr(sections, "SECTIONS", (module.__name__,))

@@ -592,15 +592,16 @@ def _extra_sections(results, add):
     modules = extra_sections.by_name()
     for name, section in results.get("sections", {}).items():
         module = modules.get(name)
-        add(f"## {module.TITLE if module else name}\n")
-        if "error" in section:
-            add(f"Not measured: the section failed ({section['error']}).\n")
-        elif module is None:
-            add(f"Measured, but no module `{name}` is listed in tools/bench/sections.py to render it.\n")
-        else:
-            for line in module.render(section):
+        if module is not None and "error" not in section:
+            for line in module.render(section):  # its own "## " heading first
                 add(line)
             add("")
+            continue
+        add(f"## {getattr(module, 'TITLE', name)}\n")
+        if "error" in section:
+            add(f"Not measured: the section failed ({section['error']}).\n")
+        else:
+            add(f"Measured, but no module `{name}` is listed in tools/bench/sections.py to render it.\n")
 
 
 def _repo_path(path):

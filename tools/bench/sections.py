@@ -5,19 +5,22 @@ run's one results file, so the report still comes from that file alone.
 A section is a module that defines:
 
     NAME = "streaming"            # its key: results["sections"][NAME]
-    TITLE = "Streaming"           # the report's heading for it (## TITLE)
+    TITLE = "Streaming"           # the heading the report gives it if it failed
 
     def measure(ctx) -> dict:     # JSON-able figures; ctx (tools/bench/run.py Context) gives
         ...                       #   ctx.mode: "smoke" | "quick" | "full" (size the work to it;
                                   #     smoke runs in `make test`, keep it to seconds)
                                   #   ctx.triton: harness.Triton (http_url, grpc_port, stats(), load())
-                                  #   ctx.llm: harness.FakeLLM (base_url, set_latency(ms), stats())
+                                  #   ctx.llm: harness.FakeLLM (base_url, set_latency(ms), admin(), stats())
                                   #   ctx.pa(model, concurrency): one perf_analyzer run -> dict
                                   #   ctx.images, ctx.prompts, ctx.workdir
-                                  # Leave the fake LLM at 0 ms when done.
+                                  # Leave the fake LLM at 0 ms when done. A module whose figures
+                                  # come from its own make target may instead return that run's
+                                  # committed results file here, with its name (as run.py does
+                                  # with the baseline), so the report still reads one file.
 
-    def render(section) -> list:  # markdown lines under the heading, from `section` alone
-        ...
+    def render(section) -> list:  # markdown lines from `section` alone, starting with the
+        ...                       # section's own "## " heading
 
     def targets(section) -> list: # optional: report.Target rows for the targets table
         ...
