@@ -131,7 +131,7 @@ def markdown(results):
     lines.append("")
     lines.append("Decoded sizes and the largest differences, per photo size (JPEG quality 90):")
     lines.append("")
-    lines.append("| photo size | decoded at | pixels mean abs diff (max over photos) | top-1 score diff (max) |")
+    lines.append("| photo size | decoded at | pixels mean abs diff (max over images) | top-1 score diff (max) |")
     lines.append("| --- | --- | ---: | ---: |")
     for size in PHOTO_SIZES:
         rows = [row for row in d["rows"] if tuple(row["size"]) == size]

@@ -10,8 +10,9 @@ falls on all of them; the figure is the median over rounds of ms per image.
 The decode (backends/image_preprocess, the shipped settings): a small JPEG and a
 phone-size one (12 MP), with reduced-scale decoding and without.
 
-Writes JSON (--results) and the tables into docs/classifier-runtime.md between its
-latency markers.
+Adds the run to the JSON file (--results keeps every run: on a shared machine one
+run is one sample) and writes the latest run's tables, with the earlier runs' batch-1
+medians, into docs/classifier-runtime.md between its latency markers.
 
 usage: python -m tools.classifier_latency [--rounds 15] [--batch-sizes 1,2,4,8]
 """
@@ -127,8 +128,9 @@ def main(argv=None):
         "forward_ms_per_image": forward, "decode_ms_per_image": decode,
         "pixels_bytes_per_image": {"uint8": 3 * 224 * 224, "float32": 4 * 3 * 224 * 224},
     }
+    earlier = json.loads(args.results.read_text())["runs"] if args.results.is_file() else []
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    args.results.write_text(json.dumps({"runs": [*earlier, results]}, indent=1) + "\n")
 
     lines = [
         f"Measured {results['date']} with `{results['command']}`: {args.threads} thread, median of "
@@ -148,6 +150,11 @@ def main(argv=None):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| decode + crop + resize (preprocess) | ms per image |", "| --- | ---: |"]
     lines += [f"| {name} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) |" for name, t in decode.items()]
+    if earlier:
+        lines += ["", "Earlier runs, batch 1 medians (ms per image): " + "; ".join(
+            f"{run['date']} " + ", ".join(f"{name} {run['forward_ms_per_image'][f'{name} b1']['median']:.1f}"
+                                          for name in classify)
+            for run in earlier) + "."]
     text = "\n".join(lines)
     if not args.no_docs:
         docs_section.replace(REPO / "docs/classifier-runtime.md", "latency", text)
