@@ -24,14 +24,18 @@ COPY model_repository/ /models/
 # What ships besides: the supervisor and the stub watchdog (serving/, standard
 # library only); the classifier export and its GPU config run once at build time.
 COPY serving/ serving/
-COPY scripts/export_classifier.py scripts/make_gpu_config.py scripts/
+COPY scripts/export_classifier.py scripts/export_onnx.py scripts/make_gpu_config.py scripts/
 
-# The TorchScript file and labels are built from the pinned pretrained weights;
-# configs/gpu.pbtxt (for --model-config-name=gpu) from the classifier's config.pbtxt.
+# The TorchScript file, labels and the ONNX files (fp32; int8 calibrated on photos that
+# scikit-image and matplotlib bundle, installed for that step) are built from the pinned
+# pretrained weights; configs/gpu.pbtxt (for --model-config-name=gpu: model.onnx in
+# Triton's onnxruntime backend with TensorRT) from the classifier's config.pbtxt.
 RUN set -a && . ./versions.env && set +a \
  && python3 scripts/export_classifier.py \
       --timm-wheel "/tmp/downloads/timm-${TIMM_LABELS_VERSION}-py3-none-any.whl" \
       --model-dir /models/classifier \
+ && pip install --no-cache-dir "scikit-image==${SCIKIT_IMAGE_VERSION}" "matplotlib==${MATPLOTLIB_VERSION}" \
+ && python3 scripts/export_onnx.py --model-dir /models/classifier \
  && rm -rf /tmp/downloads \
  && python3 scripts/make_gpu_config.py /models/classifier/config.pbtxt
 

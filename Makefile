@@ -23,6 +23,7 @@ TIMM_WHEEL := $(DOWNLOADS)/timm-$(TIMM_LABELS_VERSION)-py3-none-any.whl
 CLASSIFIER := model_repository/classifier
 CLASSIFIER_FILE := $(CLASSIFIER)/1/model.pt
 LABELS_FILE := $(CLASSIFIER)/labels.txt
+ONNX_FILES := $(CLASSIFIER)/1/model.onnx $(CLASSIFIER)/1/model.int8.onnx
 GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
 OUR_BACKENDS := $(notdir $(wildcard backends/*))
 PERF_DIR   := $(BUILD)/perf_analyzer
@@ -46,8 +47,8 @@ help:
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
-	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
-	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
+	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
+	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
@@ -55,7 +56,7 @@ help:
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
-build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
+build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
 
 # torch first, from TORCH_INDEX_URL (versions.env: PyTorch's CPU-only wheels)
 # besides pip's usual indexes: torch==X matches X+cpu there, which pip ranks
@@ -88,6 +89,10 @@ $(TIMM_WHEEL): | $(VENV_STAMP)
 
 $(CLASSIFIER_FILE) $(LABELS_FILE) &: scripts/export_classifier.py $(TIMM_WHEEL) | $(VENV_STAMP)
 	$(PY) scripts/export_classifier.py --timm-wheel $(TIMM_WHEEL) --model-dir $(CLASSIFIER)
+
+# ONNX fp32 and int8 (calibrated on photos that scikit-image and matplotlib bundle) from the same weights.
+$(ONNX_FILES) &: scripts/export_onnx.py $(CLASSIFIER_FILE) $(LABELS_FILE) | $(VENV_STAMP)
+	$(PY) scripts/export_onnx.py --model-dir $(CLASSIFIER)
 
 # The classifier's config for --model-config-name=gpu, generated from its CPU config.
 $(GPU_CONFIG): scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt | $(VENV_STAMP)
@@ -131,7 +136,7 @@ docker-run:
 	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY $(IMAGE_NAME)
 
 clean:
-	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
+	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
 
 # Scaling rehearsal (docs/scaling.md): two native replicas behind nginx on
 # loopback, one stopped with SIGTERM and restarted under load; stops by itself
@@ -141,12 +146,13 @@ rehearse: build
 	$(PY) -m tools.rehearse_scaling $(REHEARSE_ARGS)
 
 # Benchmarks: perf_analyzer against a server and a fake LLM upstream that the run
-# starts on free ports (tools/bench/). Not part of `make test`.
-#   make bench         docs/benchmarks.md + docs/plots/*.png (about 15 minutes)
-#   make bench-quick   the headline figures in under 3 minutes (build/bench/quick/)
+# starts on free ports (tools/bench/). Not part of `make test`. The report is
+# generated from the run's results file alone (python -m tools.bench.report FILE).
+#   make bench         docs/results/bench.json, docs/benchmarks.md, docs/plots/*.png (about 20 minutes)
+#   make bench-quick   the targets in about 3 minutes (build/bench/quick/)
 .PHONY: bench bench-quick
 bench: build perf-analyzer
-	$(PY) -m tools.bench.run --mode full --results $(BUILD)/bench/full/results.json
+	$(PY) -m tools.bench.run --mode full
 
 bench-quick: build perf-analyzer
 	$(PY) -m tools.bench.run --mode quick --results $(BUILD)/bench/quick/results.json

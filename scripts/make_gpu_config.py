@@ -2,10 +2,15 @@
 """Generate the classifier's GPU config from its CPU config.
 
 Writes configs/gpu.pbtxt beside the given config.pbtxt (default
-model_repository/classifier/config.pbtxt): the same ModelConfig with
-instance_group replaced by one KIND_GPU instance without a rate_limiter.
-`tritonserver --model-config-name=gpu` (deploy/overlays/gpu) loads it instead
-of config.pbtxt. Run by `make build` and the Dockerfile; never edit the output.
+model_repository/classifier/config.pbtxt): the same tensors, batching and
+warmup, served from the same ONNX file (1/model.onnx, scripts/export_onnx.py)
+by Triton's own onnxruntime backend with the TensorRT execution accelerator
+(FP16; the warmup builds the engines at load), one KIND_GPU
+instance without a rate_limiter, and no Python-backend parameters. The graph
+itself normalises the uint8 pixels and names the top-k classes, so the
+ensembles need no other change. `tritonserver --model-config-name=gpu`
+(deploy/overlays/gpu) loads it instead of config.pbtxt. Run by `make build`
+and the Dockerfile; never edit the output.
 
 Usage: python scripts/make_gpu_config.py [CONFIG_PBTXT [OUTPUT]]
 """
@@ -22,18 +27,33 @@ DEFAULT_SOURCE = REPO_ROOT / "model_repository/classifier/config.pbtxt"
 HEADER = """\
 # GENERATED at build time by scripts/make_gpu_config.py from {source}:
 # do not edit; change that file (its comments give the reason for each setting).
-# Picked by `tritonserver --model-config-name=gpu` (deploy/overlays/gpu). Only
-# instance_group differs: one KIND_GPU instance per visible GPU and no rate_limiter,
-# since on GPU the classifier needs no CPU slot (docs/reliability.md#overload).
-# Batching stays CPU-tuned: re-measure (docs/tuning-classifier.md#on-another-host).
+# Picked by `tritonserver --model-config-name=gpu` (deploy/overlays/gpu). The same
+# ONNX file in Triton's onnxruntime backend with TensorRT (FP16), one KIND_GPU instance
+# and no rate_limiter, since on GPU the classifier needs no CPU slot
+# (docs/reliability.md#overload). Validated, not yet measured on a GPU; batching stays
+# CPU-tuned: re-measure (docs/tuning-classifier.md#on-another-host).
 """
+GPU_MODEL_FILE = "model.onnx"  # fp32: TensorRT picks its own precision (FP16 below)
+TRT_ENGINE_CACHE = "/tmp/triton-trt-engines"  # an engine takes minutes to build; restarts reuse it
+
 
 
 def gpu_config(cpu_text):
     """The GPU ModelConfig for a CPU config.pbtxt's text."""
     config = text_format.Parse(cpu_text, model_config_pb2.ModelConfig())
+    config.ClearField("backend")
+    config.platform = "onnxruntime_onnx"
+    config.default_model_filename = GPU_MODEL_FILE
+    config.parameters.clear()  # the Python backend's (model_file, threads); onnxruntime has its own
     del config.instance_group[:]
     config.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
+    tensorrt = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+    tensorrt.parameters.update({
+        "precision_mode": "FP16",
+        "max_workspace_size_bytes": str(1 << 30),
+        "trt_engine_cache_enable": "1",
+        "trt_engine_cache_path": TRT_ENGINE_CACHE,
+    })
     return config
 
 

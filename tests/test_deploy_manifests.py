@@ -426,19 +426,44 @@ def test_gpu_overlay_requests_a_gpu_and_the_classifier_has_a_gpu_config(tmp_path
     generate = dockerfile.index("scripts/make_gpu_config.py /models/classifier/config.pbtxt")
     assert dockerfile.index("COPY model_repository/ /models/") < generate
 
-    # The generated config is the CPU one with instance_group replaced by one
-    # KIND_GPU instance, without a rate limiter (on GPU the classifier takes no
-    # "cpu" slot), and Triton's text format reads it back.
+    # The generated config is the CPU one served by Triton's onnxruntime backend
+    # from the same ONNX file, with TensorRT, one KIND_GPU instance without a rate
+    # limiter (on GPU the classifier takes no "cpu" slot) and no Python-backend
+    # parameters; Triton's text format reads it back.
     source = REPO / "model_repository/classifier/config.pbtxt"
     output = make_gpu_config.write_gpu_config(source, tmp_path / "configs/gpu.pbtxt")
     assert output.read_text().startswith("# GENERATED")
     gpu, expected = model_config.read(output), model_config.read(source)
     assert [g.kind for g in expected.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
-    del expected.instance_group[:]
-    expected.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
-    assert gpu == expected, model_config.render(gpu)
+    assert gpu.platform == "onnxruntime_onnx" and not gpu.backend and not gpu.parameters
+    assert gpu.default_model_filename == "model.onnx"
+    assert [g.kind for g in gpu.instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_GPU]
     assert not gpu.instance_group[0].HasField("rate_limiter")
+    (tensorrt,) = gpu.optimization.execution_accelerators.gpu_execution_accelerator
+    assert tensorrt.name == "tensorrt" and tensorrt.parameters["precision_mode"] == "FP16"
+    for field in ("name", "max_batch_size", "input", "output", "dynamic_batching", "model_warmup"):
+        assert getattr(gpu, field) == getattr(expected, field), field
     assert make_gpu_config.default_output(source) == source.parent / "configs/gpu.pbtxt"
+
+
+def test_the_gpu_config_names_the_tensors_of_its_onnx_file():
+    """Triton's onnxruntime backend binds config tensors to the graph's by name and
+    type: check them against the exported file (onnxruntime on the CPU reads the
+    same graph the GPU would)."""
+    import onnxruntime
+
+    source = REPO / "model_repository/classifier/config.pbtxt"
+    gpu = make_gpu_config.gpu_config(source.read_text())
+    path = source.parent / "1" / gpu.default_model_filename
+    assert path.is_file(), f"{path} missing: run `make build`"
+    graph = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    onnx_type = {model_config_pb2.TYPE_UINT8: "tensor(uint8)", model_config_pb2.TYPE_FP32: "tensor(float)",
+                 model_config_pb2.TYPE_STRING: "tensor(string)"}
+    for declared, actual in ((gpu.input, graph.get_inputs()), (gpu.output, graph.get_outputs())):
+        assert {t.name: onnx_type[t.data_type] for t in declared} == {t.name: t.type for t in actual}
+        for tensor in declared:
+            shape = next(t.shape for t in actual if t.name == tensor.name)
+            assert isinstance(shape[0], str) and shape[1:] == list(tensor.dims), (tensor.name, shape)
 
 
 def test_cpu_slots_of_the_rate_limiter_match_the_cpu_request():

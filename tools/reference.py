@@ -18,11 +18,17 @@ LABELS_FILE = REPO / "model_repository" / "classifier" / "labels.txt"
 
 
 def reference_pixels(data):
+    """Encoded bytes -> uint8 RGB [3, 224, 224], what preprocess hands the classifier (full decode)."""
     image = Image.open(io.BytesIO(data)).convert("RGB")
     side = min(image.size) * 224 / 256
     left, top = (image.width - side) / 2, (image.height - side) / 2
     image = image.resize((224, 224), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
-    return ((np.asarray(image, dtype=np.float32) - 127.0) / 128.0).transpose(2, 0, 1)
+    return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
+
+
+def normalise(pixels):
+    """uint8 pixels -> the float32 input the network was trained on, (x - 127) / 128."""
+    return (np.asarray(pixels, dtype=np.float32) - 127.0) / 128.0
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,7 +53,7 @@ def reference_top5(data):
     import torch
 
     with torch.inference_mode():
-        logits = eager_model()(torch.from_numpy(reference_pixels(data))[None])
+        logits = eager_model()(torch.from_numpy(normalise(reference_pixels(data)))[None])
         scores, indices = torch.softmax(logits, dim=1)[0].topk(5)
     return [labels()[i] for i in indices.tolist()], scores.numpy()
 

@@ -1,4 +1,4 @@
-"""Decode encoded image bytes and turn them into the tensor the classifier expects.
+"""Decode encoded image bytes and turn them into the pixels the classifier expects.
 
 Plain Python (Pillow + numpy), no Triton import: model.py is the adapter.
 
@@ -14,12 +14,20 @@ uses ImageNet mean/std). Measured here on 9 scikit-image photos, both ways:
   - confidences: coffee.png espresso 0.951 vs 0.779, rocket.jpg missile 0.296 vs 0.208,
     motorcycle_left.png moped 0.475 vs 0.309 (chelsea.png keeps the same three cat
     classes in its top-3 either way).
-So the defaults (and config.pbtxt) are mean 127, std 128, in 0..255 pixel units.
+So the classifier normalises with mean 127, std 128, in 0..255 pixel units: the
+ONNX graph inside (scripts/export_onnx.py), the TorchScript backend with its mean and
+std parameters. This step hands over the RGB pixels themselves, uint8, a quarter of
+the bytes float32 would copy between the two stub processes.
 
 Resize and crop follow TF's eval preprocessing too: a centred square of
 crop/resize (224/256) of the shorter side is resampled with bicubic to crop x crop.
 Pillow's resize(box=...) does that in one step, so a 1x10000 strip costs no more
 than a square image.
+
+A JPEG much larger than the target is decoded at a reduced scale (Pillow's draft
+mode: libjpeg scales by 1/2, 1/4 or 1/8 in the DCT while decoding), never below
+resize_shorter_side on the shorter side: a 12 MP phone photo decodes at 1/8 of its
+size, in a fraction of the time and memory (docs/classifier-runtime.md#draft-decoding).
 """
 
 import dataclasses
@@ -44,11 +52,10 @@ class InvalidImage(ValueError):
 class PreprocessSettings:
     resize_shorter_side: int = 256
     crop_size: int = 224
-    mean: tuple = (127.0, 127.0, 127.0)  # per RGB channel, 0..255 pixel units
-    std: tuple = (128.0, 128.0, 128.0)
     max_image_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 40_000_000  # width * height read from the header, checked before decoding
     min_image_side: int = 8  # below this there is nothing left to classify
+    jpeg_draft: bool = True  # decode large JPEGs at a reduced scale (see the module docstring)
 
 def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
     """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""
@@ -63,8 +70,8 @@ def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
         default = getattr(defaults, name)
         if raw is None:
             values[name] = default
-        elif isinstance(default, tuple):
-            values[name] = _parse_triple(name, raw)
+        elif isinstance(default, bool):
+            values[name] = _parse_bool(name, raw)
         else:
             values[name] = _parse_positive_int(name, raw)
     settings = PreprocessSettings(**values)
@@ -73,8 +80,6 @@ def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
             f"crop_size ({settings.crop_size}) must not exceed resize_shorter_side "
             f"({settings.resize_shorter_side})"
         )
-    if any(s <= 0 for s in settings.std):
-        raise ConfigError(f"std values must be > 0, got {settings.std}")
     return settings
 
 
@@ -88,24 +93,18 @@ def _parse_positive_int(name, raw):
     return value
 
 
-def _parse_triple(name, raw):
-    try:
-        values = tuple(float(part) for part in str(raw).split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 3 or not all(math.isfinite(v) for v in values):
-        raise ConfigError(f"parameter {name} must be three comma-separated numbers (R,G,B), got {raw!r}")
-    return values
+def _parse_bool(name, raw):
+    value = str(raw).strip().lower()
+    if value not in ("true", "false"):
+        raise ConfigError(f"parameter {name} must be true or false, got {raw!r}")
+    return value == "true"
 
 
 class ImagePreprocessor:
-    """bytes -> float32 [3, crop, crop], normalised. Build once, call per image."""
+    """bytes -> uint8 RGB [3, crop, crop] (0..255, not normalised). Build once, call per image."""
 
     def __init__(self, settings):
         self.settings = settings
-        # Shaped [3,1,1] so they broadcast over the CHW array.
-        self._mean = np.asarray(settings.mean, dtype=np.float32).reshape(3, 1, 1)
-        self._std = np.asarray(settings.std, dtype=np.float32).reshape(3, 1, 1)
 
     def __call__(self, data):
         image = self.decode(data)
@@ -114,8 +113,7 @@ class ImagePreprocessor:
         left = (image.width - side) / 2
         top = (image.height - side) / 2
         image = image.resize((crop, crop), Image.Resampling.BICUBIC, box=(left, top, left + side, top + side))
-        pixels = np.asarray(image, dtype=np.float32).transpose(2, 0, 1)
-        return (pixels - self._mean) / self._std
+        return np.asarray(image, dtype=np.uint8).transpose(2, 0, 1)
 
     def decode(self, data):
         """Encoded bytes -> upright RGB PIL image, or InvalidImage saying what is wrong."""
@@ -148,6 +146,12 @@ class ImagePreprocessor:
             raise InvalidImage(
                 f"IMAGE is {width}x{height}; each side must be at least {limits.min_image_side} pixels"
             )
+        if image.format == "JPEG" and limits.jpeg_draft:
+            # The size at which the shorter side is resize_shorter_side; draft() keeps
+            # each side at least this, so it scales only images 2x larger or more.
+            scale = limits.resize_shorter_side / min(width, height)
+            if scale < 0.5:
+                image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
         try:
             image.load()  # GIF and other animations: the first frame is the one loaded
             image = ImageOps.exif_transpose(image)

@@ -1,4 +1,4 @@
-"""Triton adapter for classifier.py: PIXELS -> LABELS (top-k class names), SCORES (probabilities).
+"""Triton adapter for classifier.py: PIXELS (RGB 0..255) -> LABELS (top-k class names), SCORES (probabilities).
 
 Owns the tensor names and every pb_utils call. All requests of a dynamic batch go through
 one forward pass; a request with unusable pixels fails alone.
@@ -71,7 +71,8 @@ class TritonPythonModel:
             device = f"cuda:{args['model_instance_device_id']}"
         labels = load_labels(os.path.join(model_dir, settings.labels_file))
         return TorchScriptClassifier(
-            os.path.join(version_dir, settings.model_file), labels, input_shape, top_k, device
+            os.path.join(version_dir, settings.model_file), labels, input_shape, top_k, device,
+            mean=settings.mean, std=settings.std,
         )
 
     def execute(self, requests):
@@ -79,7 +80,7 @@ class TritonPythonModel:
         batches = []  # (request index, pixels) of the requests that can run
         for index, request in enumerate(requests):
             pixels = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
-            if not np.isfinite(pixels).all():
+            if pixels.dtype.kind == "f" and not np.isfinite(pixels).all():
                 responses[index] = _error_response(f"{INPUT_NAME} holds NaN or infinite values", pb_utils.TritonError.INVALID_ARG)
             else:
                 batches.append((index, pixels))

@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from .raw_infer import bytes_tensor, fp32_tensor
+from .raw_infer import bytes_tensor, fp32_tensor, uint8_tensor
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ("classify_and_describe", "classify", "preprocess", "classifier", "describe")
@@ -38,7 +38,7 @@ class ValidRequests:
         if model in ("classify", "preprocess"):
             return [image]
         if model == "classifier":
-            return [fp32_tensor("PIXELS", self.pixels)]
+            return [uint8_tensor("PIXELS", self.pixels)]
         if model == "describe":
             return [bytes_tensor("LABELS", [[COFFEE_TOP1, b"cup", b"coffee mug"]]),
                     fp32_tensor("SCORES", [[0.9, 0.05, 0.02]]),

@@ -40,6 +40,11 @@ def fp32_tensor(name, array):
     return Tensor(name, "FP32", list(array.shape), array.tobytes())
 
 
+def uint8_tensor(name, array):
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    return Tensor(name, "UINT8", list(array.shape), array.tobytes())
+
+
 @dataclasses.dataclass
 class Answer:
     ok: bool

@@ -111,8 +111,8 @@ def test_wrong_dtype_names_the_expected_one(client):
 
 
 def test_wrong_shape_names_the_expected_one(client):
-    tensor = httpclient.InferInput("PIXELS", [1, 3, 100, 100], "FP32")
-    tensor.set_data_from_numpy(np.zeros((1, 3, 100, 100), dtype=np.float32))
+    tensor = httpclient.InferInput("PIXELS", [1, 3, 100, 100], "UINT8")
+    tensor.set_data_from_numpy(np.zeros((1, 3, 100, 100), dtype=np.uint8))
     with pytest.raises(InferenceServerException, match=r"Expected \[-1,3,224,224\], got \[1,3,100,100\]"):
         client.infer("classifier", [tensor])
 

@@ -40,7 +40,8 @@ BYTES_INPUTS = {  # model -> its client-supplied BYTES inputs
     "describe": ("LABELS", "PROMPT"),
     "classifier": (),
 }
-FP32_INPUTS = {"classifier": ("PIXELS",), "describe": ("SCORES",)}
+FP32_INPUTS = {"describe": ("SCORES",)}
+UINT8_INPUTS = {"classifier": ("PIXELS",)}
 
 
 def lying_bytes(length_claimed=0x7FFFFFFF, actual=b"abcd"):
@@ -99,11 +100,21 @@ def fp32_cases(name, valid):
         ("wrong_datatype", Tensor(name, "FP64", shape, raw + raw), name),
         ("not_finite", Tensor(name, "FP32", shape, nan + raw[4:]), name),
     ]
-    if name == "PIXELS":
-        cases.append(("wrong_shape", Tensor(name, "FP32", [1, 3, 224, 225], b"\x00" * 4 * 3 * 224 * 225), name))
-    else:  # SCORES must match LABELS
-        cases.append(("wrong_shape", Tensor(name, "FP32", [1, 2], raw[:8]), name))
+    cases.append(("wrong_shape", Tensor(name, "FP32", [1, 2], raw[:8]), name))  # SCORES must match LABELS
     return cases
+
+
+def uint8_cases(name, valid):
+    """PIXELS: every byte value is a valid pixel, so the cases are about size, type and shape."""
+    shape, raw = valid.shape, valid.raw
+    return [
+        ("short_body", Tensor(name, "UINT8", shape, raw[:-1]), name),
+        ("long_body", Tensor(name, "UINT8", shape, raw + b"\x00"), name),
+        ("empty_body", Tensor(name, "UINT8", shape, b""), name),
+        ("wrong_datatype", Tensor(name, "FP32", shape, raw * 4), name),
+        ("wrong_shape", Tensor(name, "UINT8", [1, 3, 224, 225], b"\x00" * 3 * 224 * 225), name),
+        ("batch_above_max", Tensor(name, "UINT8", [9, *shape[1:]], raw * 9), "batch"),
+    ]
 
 
 def malformed_requests(model, valid_requests):
@@ -115,6 +126,8 @@ def malformed_requests(model, valid_requests):
             cases = bytes_cases(tensor.name, tensor)
         elif tensor.name in FP32_INPUTS.get(model, ()):
             cases = fp32_cases(tensor.name, tensor)
+        elif tensor.name in UINT8_INPUTS.get(model, ()):
+            cases = uint8_cases(tensor.name, tensor)
         else:
             raise AssertionError(f"{model}: no malformed cases for input {tensor.name}")
         for case, bad, expect in cases:

@@ -10,10 +10,11 @@ import tritonclient.http as httpclient
 from tests.integration.conftest import running_triton
 
 # Enough /dev/shm for the stubs and single requests, too little for a batch of
-# 8 decoded images (8 x 3x224x224 FP32 = 4.8 MB through the Python backend's
-# shared-memory pool): the situation of a container started with a small
+# 8 images through preprocess (8 x 467 KB of PNG in, 8 x 3x224x224 UINT8 = 1.2 MB
+# out, through the Python backend's shared-memory pool; 12 MB was enough once the
+# pixels went uint8): the situation of a container started with a small
 # --shm-size (Docker's default is 64 MB).
-SMALL_SHM = "16m"  # 12 MB until the two streaming models added their stubs
+SMALL_SHM = "12m"  # 8 MB until the two streaming models added their stubs
 
 
 def classify(client, images):

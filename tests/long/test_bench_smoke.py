@@ -1,9 +1,10 @@
 """The benchmark scripts run end to end on a tiny setting: `tools/bench/run.py
 --mode smoke` starts its own fake upstream and tritonserver on free ports,
-drives every figure (perf_analyzer, the in-process baseline, the Python
-clients, one tuning reload), writes a report and its plots, and stops what it
-started. The figures themselves are not checked: a smoke run is too short to
-mean anything, and `make bench` is where they are measured."""
+drives every figure (perf_analyzer, the in-process baselines in both layouts,
+the Python clients, one tuning reload), writes its results file, a report and
+plots generated from that file, and stops what it started. The figures
+themselves are not checked: a smoke run is too short to mean anything, and
+`make bench` is where they are measured."""
 
 import json
 import pathlib
@@ -24,18 +25,20 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "tools.bench.run", "--mode", "smoke", "--out", str(report),
          "--plots", str(plots), "--results", str(results)],
-        cwd=REPO, capture_output=True, text=True, timeout=240)
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"bench smoke run failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
 
-    # The headline is printed, one line per figure.
-    for figure in ("1. classify through Triton", "2. ensemble, LLM", "3. describe model overhead",
-                   "4. ensemble / two-step", "5. concurrency sweeps"):
+    # The targets are printed, one line each.
+    for figure in ("ensemble throughput (LLM 0 ms) / in-process PyTorch fp32 limit", "`classify` throughput / "
+                   "in-process limit of its own runtime", "ensemble (LLM 0 ms) / `classify` throughput",
+                   "p50 at concurrency 1, `classify`", "int8 top-1 agreement", "`describe` p50 overhead"):
         assert figure in done.stdout
 
     text = report.read_text()
-    for heading in ("## Headline", "## 1. Classification", "## 2. The LLM latency", "## 3. describe model overhead",
+    for heading in ("## Targets", "## 1. Served throughput against the in-process limits", "### p50 at concurrency 1",
+                    "### CPU per request, by process", "## 2. The LLM latency", "## 3. describe model overhead",
                     "## 4. The ensemble vs the two-step client", "## 5. Concurrency sweeps",
-                    "## The tuning behind the shipped classifier config"):
+                    "## 6. Classifier config alternatives"):
         assert heading in text
     assert "perf_analyzer -m classify " in text and "perf_analyzer -m classify_and_describe " in text
 
@@ -44,9 +47,30 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
         assert (plots / name).read_bytes()[:8] == PNG_MAGIC, name
         assert f"plots/{name}" in text
 
+    # The report comes from the results file alone: written again from it, it is the same.
+    report.unlink()
+    regenerated = subprocess.run([sys.executable, "-m", "tools.bench.report", str(results), "--out", str(report),
+                                  "--plots", str(plots)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert regenerated.returncode == 0, regenerated.stderr[-3000:]
+    assert report.read_text() == text
+
     data = json.loads(results.read_text())
-    assert data["classification"][0]["triton"]["throughput"] > 0
-    assert max(data["classification"][0]["inprocess"]["e2e"].values()) > 0
+    turn = data["limits"]["turns"][0]
+    assert turn["classify"]["throughput"] > 0 and turn["ensemble"]["throughput"] > 0
+    # Every runtime in both layouts (1 process x 2 threads, 2 processes x 1 thread on two cores).
+    pytorch = turn["inprocess"]["torchscript"]
+    assert [row["name"] for row in pytorch["layouts"]] == data["meta"]["layouts"]
+    assert all(v > 0 for row in pytorch["layouts"] for v in row["e2e"].values())
+    assert pytorch["best"]["layout"] in data["meta"]["layouts"]
+    assert data["limits"]["latency_c1"]["classify"]["p50_ms"] > 0
+    assert data["limits"]["latency_c1"]["classify_and_describe"]["p50_ms"] > 0
+    # CPU per request by process around the perf_analyzer runs: perf_analyzer's own CPU is counted,
+    # and only the ensemble's requests reach the describe stubs.
+    for key in ("classify", "ensemble"):
+        cpu = turn[key]["cpu_ms_per_request"]
+        assert cpu["load generator"] > 0 and cpu["classifier stubs"] > 0 and cpu["preprocess stubs"] > 0
+        assert turn[key]["requests"] > 0
+    assert turn["ensemble"]["cpu_ms_per_request"]["describe stubs"] > 0
     for run in (data["hiding"]["fast"], data["hiding"]["slow"]):
         # The backend cache is off and prompts are distinct: each request is one upstream call.
         assert run["triton_requests"] > 0
@@ -61,6 +85,10 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     assert cpu["ensemble"]["describe stubs"] > 3 * cpu["two_step"]["describe stubs"]
     assert cpu["two_step"]["load generator"] > cpu["ensemble"]["load generator"]
     assert cpu["ensemble"]["classifier stubs"] > 0 and cpu["ensemble"]["machine"] > cpu["ensemble"]["classifier stubs"]
-    assert "Where one request's CPU goes" in text
     assert data["describe"]["triton"]["count"] == 10
+    # int8 against fp32 in the same run, on every crop set the accuracy tool defines.
+    assert [s["crops"] for s in data["accuracy"]["sets"]] == [10] * len(data["accuracy"]["sets"]) != []
+    assert all(0 <= s["top1_agreement"] <= 1 for s in data["accuracy"]["sets"])
+    # Every runtime the build has is measured in-process: TorchScript, ONNX Runtime fp32 and int8.
+    assert sorted(turn["inprocess"]) == ["onnx_fp32", "onnx_int8", "torchscript"]
     assert data["tuning"][0]["name"] == "no_batching" and data["tuning"][0]["results"]

@@ -80,8 +80,9 @@ def solid(color, size=(64, 48)):
     return Image.new("RGB", size, color)
 
 
-def normalised(rgb):
-    return (np.asarray(rgb, dtype=np.float32) - 127.0) / 128.0
+def channels(rgb):
+    """An RGB colour as the int [3] array the CHW pixels hold per position."""
+    return np.asarray(rgb, dtype=int)
 
 
 @pytest.fixture
@@ -95,15 +96,15 @@ def test_committed_config_parses_to_the_reference_transform():
     params = {k: v["string_value"] for k, v in committed_parameters().items()}
     settings = parse_settings(params)
     assert settings.resize_shorter_side == 256 and settings.crop_size == 224
-    assert settings.mean == (127.0, 127.0, 127.0) and settings.std == (128.0, 128.0, 128.0)
+    assert settings.jpeg_draft is True
     assert settings.min_image_side == 8 and settings.max_pixels == 40_000_000
 
 
 @pytest.mark.parametrize("params, words", [
     ({"crop_size": "abc"}, "crop_size must be a positive integer"),
     ({"max_pixels": "-5"}, "max_pixels must be a positive integer"),
-    ({"mean": "1,2"}, "mean must be three comma-separated numbers"),
-    ({"std": "128,0,128"}, "std values must be > 0"),
+    ({"jpeg_draft": "yes"}, "jpeg_draft must be true or false"),
+    ({"mean": "127,127,127"}, "unknown parameter(s) ['mean']"),  # moved to the classifier
     ({"crop_size": "300"}, "must not exceed resize_shorter_side"),
     ({"resize": "256"}, "unknown parameter(s) ['resize']"),
 ])
@@ -114,8 +115,8 @@ def test_invalid_settings_say_what_to_fix(params, words):
 
 
 def test_adapter_fails_load_on_bad_parameter():
-    config = model_config(parameters={"mean": {"string_value": "nope"}})
-    with pytest.raises(pb_utils.TritonModelException, match="preprocess: parameter mean"):
+    config = model_config(parameters={"crop_size": {"string_value": "nope"}})
+    with pytest.raises(pb_utils.TritonModelException, match="preprocess: parameter crop_size"):
         make_model(config)
 
 
@@ -135,10 +136,10 @@ def test_every_format_gives_the_colour_it_encodes(preprocessor, fmt):
     options = {"lossless": True} if fmt == "WEBP-lossless" else {}
     data = encode(solid(color), fmt.split("-")[0], **options)
     pixels = preprocessor(data)
-    assert pixels.shape == (3, 224, 224) and pixels.dtype == np.float32
-    tolerance = 1e-6 if fmt in LOSSLESS else 4 / 128  # lossy codecs move a solid colour a little
-    expected = normalised(color).reshape(3, 1, 1)
-    assert np.abs(pixels - expected).max() <= tolerance
+    assert pixels.shape == (3, 224, 224) and pixels.dtype == np.uint8
+    tolerance = 0 if fmt in LOSSLESS else 4  # lossy codecs move a solid colour a little
+    expected = channels(color).reshape(3, 1, 1)
+    assert np.abs(pixels.astype(int) - expected).max() <= tolerance
 
 
 @pytest.mark.parametrize("mode, fmt", [
@@ -173,7 +174,7 @@ def test_gif_uses_the_first_frame(preprocessor):
     data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
     assert Image.open(io.BytesIO(data)).n_frames == 2
     pixels = preprocessor(data)
-    assert np.allclose(pixels[:, 100, 100], normalised((255, 0, 0)), atol=1e-6)
+    assert (pixels[:, 100, 100] == channels((255, 0, 0))).all()
 
 
 @pytest.mark.parametrize("orientation, size, top_left_color", [
@@ -255,8 +256,8 @@ def test_adapter_batch_mixes_good_and_bad_requests():
 
     assert len(responses) == len(requests)
     first, *bad, last = responses
-    expected = np.broadcast_to(normalised((200, 100, 40)).reshape(3, 1, 1), (3, 224, 224))
-    assert not first.has_error() and np.allclose(first.output("PIXELS")[0], expected, atol=1e-6)
+    expected = np.broadcast_to(channels((200, 100, 40)).reshape(3, 1, 1), (3, 224, 224))
+    assert not first.has_error() and (first.output("PIXELS")[0] == expected).all()
     assert not last.has_error() and last.output("PIXELS").shape == (2, 3, 224, 224)
     for name, response in zip(bad_names, bad):
         assert response.has_error(), name
@@ -352,3 +353,35 @@ def test_16bit_decode_keeps_transient_memory_small(preprocessor):
         tracemalloc.stop()
     assert decoded.size == (width, height) and decoded.mode == "RGB"
     assert peak < width * height // 4, f"peak {peak / 1e6:.1f} MB for {width * height / 1e6:.0f} MP"
+
+
+# ---------------------------------------------------------------- reduced-scale JPEG decoding
+
+@pytest.fixture(scope="module")
+def phone_photo():
+    """chelsea.png scaled to 4032x3024 (12 MP, a phone camera's size) as a JPEG."""
+    from skimage import data_dir
+
+    photo = Image.open(pathlib.Path(data_dir) / "chelsea.png").convert("RGB")
+    return encode(photo.resize((4032, 3024), Image.Resampling.BICUBIC), "JPEG", quality=90)
+
+
+def test_large_jpeg_decodes_at_reduced_scale_but_never_below_the_resize(preprocessor, phone_photo):
+    decoded = preprocessor.decode(phone_photo)
+    assert decoded.size == (504, 378)  # 1/8: the shorter side stays above resize_shorter_side (256)
+    full = ImagePreprocessor(PreprocessSettings(jpeg_draft=False)).decode(phone_photo)
+    assert full.size == (4032, 3024)
+
+
+@pytest.mark.parametrize("size, fmt", [((511, 400), "JPEG"), ((2000, 1500), "PNG")])
+def test_small_jpegs_and_other_formats_decode_in_full(preprocessor, size, fmt):
+    # 511 px: half of it would fall under 256; PNG has no reduced-scale decoding.
+    assert preprocessor.decode(encode(solid((9, 99, 199), size), fmt)).size == size
+
+
+def test_reduced_scale_pixels_match_the_full_decode(preprocessor, phone_photo):
+    drafted = preprocessor(phone_photo).astype(int)
+    full = ImagePreprocessor(PreprocessSettings(jpeg_draft=False))(phone_photo).astype(int)
+    # The DCT-domain downscale differs from bicubic over the full image by a grey level or two;
+    # the classifier's top-5 is the same (tests/unit/test_onnx_classifier.py).
+    assert np.abs(drafted - full).mean() < 2.0

@@ -114,12 +114,26 @@ def test_missing_labels_file_says_how_to_fix(tiny_model_dir):
     ({"torch_num_threads": "two"}, "torch_num_threads must be a positive integer"),
     ({"torch_num_threads": "0"}, "torch_num_threads must be a positive integer"),
     ({"model_file": " "}, "model_file must not be empty"),
+    ({"mean": "1,2"}, "mean must be three comma-separated numbers"),
+    ({"std": "128,0,128"}, "std values must be > 0"),
     ({"threads": "2"}, "unknown parameter(s) ['threads']"),
 ])
 def test_bad_parameters_fail_the_load(tiny_model_dir, params, words):
     with pytest.raises(pb_utils.TritonModelException) as caught:
         make_model(tiny_model_dir, model_config(params, input_dims=(3, 8, 8)))
     assert words in str(caught.value)
+
+
+def test_mean_and_std_normalise_the_pixels(tiny_model_dir):
+    # torchvision-style values: the forward pass sees (x - mean) / std per channel.
+    model = make_model(tiny_model_dir, model_config(
+        {"mean": "123.675,116.28,103.53", "std": "58.395,57.12,57.375"}, input_dims=(3, 8, 8)))
+    seen = []
+    forward = model.classifier.model
+    model.classifier.model = lambda x: seen.append(x.clone()) or forward(x)
+    model.execute([request(np.full((1, 3, 8, 8), 200.0))])
+    expected = (200.0 - np.array([123.675, 116.28, 103.53])) / np.array([58.395, 57.12, 57.375])
+    np.testing.assert_allclose(seen[0][0, :, 0, 0].numpy(), expected, rtol=1e-6)
 
 
 def test_top_k_larger_than_classes_fails(tiny_model_dir):

@@ -6,6 +6,7 @@ Plus perf_analyzer runs (bounded in time) and Triton's statistics API."""
 import csv
 import os
 import pathlib
+import resource
 import subprocess
 import time
 
@@ -184,6 +185,12 @@ def cpu_seconds(server_root_pid, llm_pid):
                 name = f"{model_of(instance)} stubs"
                 spent[name] = spent.get(name, 0.0) + process(pid)
     return spent
+
+
+def children_cpu_seconds():
+    """CPU seconds of this process's finished children (perf_analyzer runs), user + system."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def load_average():

@@ -1,25 +1,134 @@
-"""The classification path without Triton: decode + preprocess + TorchScript
-forward in one process, with the same code (backends/image_preprocess,
-backends/torchscript_classifier), the same settings as the shipped configs and
-the same torch threads, at the batch sizes the server's dynamic batcher forms.
-Also the forward pass alone. It runs in its own process so that its torch
-threads are set exactly as in the classifier model's stub.
+"""The classification path without Triton: the in-process limit a server is measured against.
 
-usage: python -m tools.bench.inprocess JPEG... --batch-sizes 1,2,4 --duration-s 5 [--threads 2]
-prints one JSON object: {"e2e": {batch: img/s}, "forward": {batch: img/s}, ...}
+Decode + preprocess + forward per image with the server's own code
+(backends/image_preprocess and the classifier backend's logic module) and the
+settings of the model repository's configs, in each layout that spends the
+machine's cores in one place:
+
+  1xN   one process, N intra-op threads (N = cores), batches as the server's batcher forms them
+  Nx1   N processes, one thread each, running side by side (what the server's instances do)
+
+for each runtime whose files exist: TorchScript fp32 (the PyTorch limit, always)
+and the runtimes other backends add (see RUNTIMES). The best layout of a runtime
+is its limit. Also, per layout, the forward pass alone and the decode alone.
+Every layout runs in fresh processes, so each sets its threads exactly as a stub does.
+
+usage: python -m tools.bench.inprocess JPEG... [--runtime torchscript] [--layouts 1x2,2x1]
+                                       [--batch-sizes 1,2,4] [--duration-s 2] [--model-repository DIR]
+prints one JSON object: {"runtime": ..., "layouts": [{"name": "2x1", "e2e": {batch: img/s}, ...}], "best": {...}}
 """
 
 import argparse
 import json
+import multiprocessing
+import os
 import pathlib
+import queue
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from tools import model_config
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
+BARRIER_TIMEOUT_S = 300  # a worker that died leaves the others waiting at most this long
+
+
+# -- runtimes: name -> how to build a classify(pixels) callable in a worker ---------------------
+
+def _torchscript(repository, threads):
+    import torch
+
+    from tools.backend_code import load
+
+    classifier = load("torchscript_classifier", "classifier")
+    # As backends/torchscript_classifier/model.py does with torch_num_threads.
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    model_dir = repository / "classifier"
+    model = classifier.TorchScriptClassifier(torchscript_file(repository), classifier.load_labels(
+        model_dir / "labels.txt"), [3, 224, 224], top_k=5)
+    return model.classify
+
+
+def torchscript_file(repository):
+    return pathlib.Path(repository) / "classifier/1/model.pt"
+
+
+def _onnx(model_file):
+    """backends/onnx_classifier on `model_file` of the classifier's version folder, with the tensors
+    of the repository's classifier config, or the ones that backend's config declares by default."""
+    def build(repository, threads):
+        import numpy as np
+        from tritonclient.grpc import model_config_pb2
+
+        from tools.backend_code import load
+
+        ort_classifier = load("onnx_classifier", "ort_classifier")
+        config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
+        if config.backend == "onnx_classifier":
+            pixels = config.input[0]
+            name, dims, top_k = pixels.name, list(pixels.dims), {o.name: o for o in config.output}["SCORES"].dims[0]
+            dtype = np.dtype({model_config_pb2.TYPE_UINT8: np.uint8, model_config_pb2.TYPE_FP32: np.float32}[
+                pixels.data_type])
+        else:  # the classifier serves another backend: the graph's own input
+            name, dims, dtype, top_k = "PIXELS", [3, 224, 224], np.dtype(np.uint8), 5
+        classifier = ort_classifier.OnnxClassifier(
+            pathlib.Path(repository) / "classifier/1" / model_file, name, dims, dtype, "SCORES", "LABELS", top_k,
+            intra_op_threads=threads)
+        # As the backend's model.py does with a batch: the config's input type.
+        return lambda batch: classifier.classify(batch.astype(dtype, copy=False))
+    return build
+
+
+def _onnx_file(model_file):
+    def path(repository):
+        # Only where the build has the backend too (branches before it have neither).
+        backend = REPO / "backends/onnx_classifier/ort_classifier.py"
+        return pathlib.Path(repository) / "classifier/1" / model_file if backend.is_file() else backend
+    return path
+
+
+# name: (what it is, the file it needs, the worker-side loader: (repository, threads) -> classify(pixels))
+RUNTIMES = {
+    "torchscript": ("PyTorch TorchScript fp32", torchscript_file, _torchscript),
+    "onnx_fp32": ("ONNX Runtime fp32", _onnx_file("model.onnx"), _onnx("model.onnx")),
+    "onnx_int8": ("ONNX Runtime int8", _onnx_file("model.int8.onnx"), _onnx("model.int8.onnx")),
+}
+
+
+def available_runtimes(repository):
+    """The runtimes whose model files this repository has, in RUNTIMES order."""
+    return [name for name, (_, needs, _) in RUNTIMES.items() if needs(repository).is_file()]
+
+
+def served_runtime(repository):
+    """The runtime the repository's `classifier` model serves with."""
+    config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
+    if config.backend == "torchscript_classifier":
+        return "torchscript"
+    if config.backend == "onnx_classifier":
+        from tools.backend_code import load
+
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        model_file = load("onnx_classifier", "ort_classifier").parse_settings(parameters).model_file
+        for name, (_, needs, _) in RUNTIMES.items():
+            if name.startswith("onnx") and needs(repository).name == model_file:
+                return name
+    raise ValueError(f"no in-process runtime for the classifier's backend {config.backend!r}")
+
+
+def preprocessor(repository):
+    """backends/image_preprocess with the settings of the repository's preprocess config."""
+    from tools.backend_code import load
+
+    image_decode = load("image_preprocess", "image_decode")
+    config = model_config.read(pathlib.Path(repository) / "preprocess/config.pbtxt")
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    return image_decode.ImagePreprocessor(image_decode.parse_settings(parameters))
+
+
+# -- one worker process ---------------------------------------------------------------------------
 
 def _rate(step, images_per_step, duration_s, min_steps=3):
-    step()  # warm: the profiling executor specialises on the first runs of a shape
-    step()
     done, started = 0, time.perf_counter()
     while True:
         step()
@@ -29,50 +138,113 @@ def _rate(step, images_per_step, duration_s, min_steps=3):
             return done * images_per_step / elapsed
 
 
+def _worker(job, barrier, results):
+    """Build the runtime, then time each step in lockstep with the layout's other workers."""
+    import numpy as np
+
+    try:
+        repository = pathlib.Path(job["repository"])
+        preprocess = preprocessor(repository)
+        classify = RUNTIMES[job["runtime"]][2](repository, job["threads"])
+        images = [pathlib.Path(path).read_bytes() for path in job["jpegs"]]
+        cursor = [job["index"]]  # workers start on different photos, as concurrent requests do
+
+        def next_images(count):
+            picked = [images[(cursor[0] + i) % len(images)] for i in range(count)]
+            cursor[0] += count
+            return picked
+
+        def timed(step, batch, duration_s):
+            step()  # warm: the profiling executor specialises on the first runs of a shape
+            step()
+            barrier.wait(BARRIER_TIMEOUT_S)
+            return _rate(step, batch, duration_s)
+
+        out = {"decode": timed(lambda: preprocess(next_images(1)[0]), 1, job["duration_s"] / 2),
+               "e2e": {}, "forward": {}}
+        for batch in job["batch_sizes"]:
+            def e2e(batch=batch):
+                classify(np.stack([preprocess(image) for image in next_images(batch)]))
+            pixels = np.stack([preprocess(image) for image in next_images(batch)])
+            out["e2e"][batch] = timed(e2e, batch, job["duration_s"])
+            out["forward"][batch] = timed(lambda pixels=pixels: classify(pixels), batch, job["duration_s"])
+        results.put(out)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the measurement
+        barrier.abort()
+        results.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def measure_layout(runtime, repository, jpegs, processes, threads, batch_sizes, duration_s):
+    """`processes` workers of `threads` threads each, side by side; rates summed over the workers."""
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch state inherited
+    barrier, results = context.Barrier(processes), context.Queue()
+    job = dict(runtime=runtime, repository=str(repository), jpegs=[str(p) for p in jpegs], threads=threads,
+               batch_sizes=list(batch_sizes), duration_s=duration_s)
+    workers = [context.Process(target=_worker, args=(dict(job, index=index), barrier, results), daemon=True)
+               for index in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        outs, deadline = [], time.monotonic() + BARRIER_TIMEOUT_S + 60 * duration_s
+        while len(outs) < processes:
+            try:
+                outs.append(results.get(timeout=1))
+            except queue.Empty:
+                # A worker killed outright (out of memory, a crash in native code) reports nothing.
+                dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"a worker exited with {dead[0]}" if dead else "timed out"
+                    raise RuntimeError(f"in-process {runtime} {processes}x{threads}: {why}") from None
+    finally:
+        for worker in workers:
+            worker.join(timeout=30)
+            if worker.is_alive():
+                worker.terminate()
+    errors = [out["error"] for out in outs if "error" in out]
+    if errors:
+        raise RuntimeError(f"in-process {runtime} {processes}x{threads}: {errors[0]}")
+    total = lambda key, batch: sum(out[key][batch] for out in outs)  # noqa: E731
+    return {"name": f"{processes}x{threads}", "processes": processes, "threads": threads,
+            "e2e": {b: total("e2e", b) for b in batch_sizes},
+            "forward": {b: total("forward", b) for b in batch_sizes},
+            "decode": sum(out["decode"] for out in outs),
+            # One worker's own rate: what one server instance with these threads could do alone.
+            "per_worker_forward": {b: total("forward", b) / processes for b in batch_sizes},
+            "per_worker_decode": sum(out["decode"] for out in outs) / processes}
+
+
+def measure(runtime, repository, jpegs, layouts, batch_sizes, duration_s):
+    """Every layout of one runtime, and the best (layout, batch size) by decode + preprocess + forward."""
+    rows = [measure_layout(runtime, repository, jpegs, processes, threads, batch_sizes, duration_s)
+            for processes, threads in layouts]
+    best_row, best_batch = max(((row, b) for row in rows for b in row["e2e"]), key=lambda rb: rb[0]["e2e"][rb[1]])
+    return {"runtime": runtime, "description": RUNTIMES[runtime][0], "duration_s": duration_s, "layouts": rows,
+            "best": {"layout": best_row["name"], "batch": best_batch, "throughput": best_row["e2e"][best_batch]}}
+
+
+def default_layouts(cores=None):
+    cores = cores or os.cpu_count() or 1
+    return [(1, cores), (cores, 1)] if cores > 1 else [(1, 1)]
+
+
+def parse_layouts(text):
+    """'1x2,2x1' -> [(1, 2), (2, 1)] (processes x threads)."""
+    return [tuple(int(part) for part in item.split("x")) for item in text.split(",") if item]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("jpegs", nargs="+", type=pathlib.Path)
-    parser.add_argument("--model-dir", type=pathlib.Path, default=REPO / "model_repository/classifier")
+    parser.add_argument("--runtime", choices=sorted(RUNTIMES), default="torchscript")
+    parser.add_argument("--model-repository", type=pathlib.Path, default=REPO / "model_repository")
+    parser.add_argument("--layouts", type=parse_layouts, default=None,
+                        help="processes x threads, comma-separated (default: 1xN,Nx1 for N cores)")
     parser.add_argument("--batch-sizes", default="1,2,4")
     parser.add_argument("--duration-s", type=float, default=5.0)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-
-    import numpy as np
-    import torch
-
-    from tools.backend_code import load
-
-    TorchScriptClassifier = load("torchscript_classifier", "classifier").TorchScriptClassifier
-    load_labels = load("torchscript_classifier", "classifier").load_labels
-    image_decode = load("image_preprocess", "image_decode")
-    ImagePreprocessor, PreprocessSettings = image_decode.ImagePreprocessor, image_decode.PreprocessSettings
-
-    # As backends/torchscript_classifier/model.py does with torch_num_threads.
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
-    preprocess = ImagePreprocessor(PreprocessSettings())  # the defaults are the shipped config's values
-    classifier = TorchScriptClassifier(args.model_dir / "1/model.pt", load_labels(args.model_dir / "labels.txt"),
-                                       [3, 224, 224], top_k=5)
-    images = [path.read_bytes() for path in args.jpegs]
-
-    result = {"threads": args.threads, "e2e": {}, "forward": {}, "decode": None}
-    cursor = [0]
-
-    def next_images(count):
-        picked = [images[(cursor[0] + i) % len(images)] for i in range(count)]
-        cursor[0] += count
-        return picked
-
-    result["decode"] = _rate(lambda: preprocess(next_images(1)[0]), 1, args.duration_s / 2)
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
-        def e2e(batch=batch):
-            pixels = np.stack([preprocess(image) for image in next_images(batch)])
-            classifier.classify(pixels)
-        pixels = np.stack([preprocess(image) for image in next_images(batch)])
-        result["e2e"][batch] = _rate(e2e, batch, args.duration_s)
-        result["forward"][batch] = _rate(lambda pixels=pixels: classifier.classify(pixels), batch, args.duration_s)
-    print(json.dumps(result))
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    print(json.dumps(measure(args.runtime, args.model_repository, args.jpegs, args.layouts or default_layouts(),
+                             batch_sizes, args.duration_s)))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,24 @@
-"""Turn a run's results into docs/benchmarks.md (tables) and PNG plots, and
-return the headline lines that `make bench` prints."""
+"""docs/benchmarks.md and its PNG plots, generated from one run's results file
+alone (the JSON that tools/bench/run.py writes): every number, the targets'
+verdicts, and the description of what ran come from that file, so the report
+can be written again from it without measuring anything:
 
+    .venv/bin/python -m tools.bench.report docs/results/bench.json [--out docs/benchmarks.md] [--plots docs/plots]
+
+How the benchmarks measure and how to read them (the hand-written part) is
+docs/benchmarks-method.md, which the report links."""
+
+import argparse
+import dataclasses
+import json
 import math
 import pathlib
 import statistics
 
+from tools.bench import sections as extra_sections
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
+METHOD_DOC = "benchmarks-method.md"  # beside the report
 
 
 def _median(values):
@@ -23,51 +36,123 @@ def _mark(ok):
     return "met" if ok else "**not met**"
 
 
-# -- the figures ------------------------------------------------------------------------
+def load(path):
+    """A results file, with the integer keys (batch sizes, concurrencies) JSON turned into strings restored."""
+    results = json.loads(pathlib.Path(path).read_text())
+    # The file it is read from now, which a committed copy of a run's file may have moved.
+    results["meta"]["results_file"] = _repo_path(path)
+    for turn in results.get("limits", {}).get("turns", []):
+        for runtime in turn.get("inprocess", {}).values():
+            for row in runtime["layouts"]:
+                for key in ("e2e", "forward", "per_worker_forward"):
+                    row[key] = {int(k): v for k, v in row[key].items()}
+    for row in results.get("tuning", []):
+        row["results"] = {int(k): v for k, v in row["results"].items()}
+    return results
 
-def classification_figure(pairs, policy_max_batch=4):
+
+# -- targets -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Target:
+    """One row of the targets table: `measured` against `threshold` (at least, or at most)."""
+    name: str
+    measured: float | None  # None: not measured in this run (counts as not met)
+    threshold: float
+    at_most: bool = False
+    unit: str = ""
+    detail: str = ""  # the figures the value is made of
+    digits: int = 2
+
+    @property
+    def met(self):
+        if self.measured is None or math.isnan(self.measured):
+            return False
+        return self.measured <= self.threshold if self.at_most else self.measured >= self.threshold
+
+    def cells(self):
+        value = "not measured" if self.measured is None else f"{_f(self.measured, self.digits)}{self.unit}"
+        bound = f"{'<=' if self.at_most else '>='} {_f(self.threshold, self.digits)}{self.unit}"
+        return value, bound
+
+
+def limits_figure(results):
+    """Per turn: served throughputs, each runtime's in-process limit, and the three ratios; medians."""
+    limits = results["limits"]
+    served_runtime = limits["served_runtime"]
     rows = []
-    for pair in pairs:
-        inproc = pair["inprocess"]
-        allowed = {b: v for b, v in inproc["e2e"].items() if b <= policy_max_batch}
-        best_batch = max(allowed, key=allowed.get)
-        stats = pair["stats"].get("classifier", {})
-        avg_batch = stats["inference_count"] / stats["exec_count"] if stats.get("exec_count") else float("nan")
-        rows.append({"triton": pair["triton"]["throughput"], "inproc": allowed[best_batch], "best_batch": best_batch,
-                     "forward": max(v for b, v in inproc["forward"].items() if b <= policy_max_batch),
-                     "ratio": pair["triton"]["throughput"] / allowed[best_batch], "avg_batch": avg_batch})
-    return {"rows": rows, "ratio": _median([r["ratio"] for r in rows])}
+    for turn in limits["turns"]:
+        inproc = turn["inprocess"]
+        pytorch = inproc.get("torchscript", {}).get("best", {}).get("throughput")
+        own = inproc.get(served_runtime, {}).get("best", {}).get("throughput")
+        classify, ensemble = turn["classify"]["throughput"], turn["ensemble"]["throughput"]
+        rows.append({"classify": classify, "ensemble": ensemble, "pytorch": pytorch, "own": own,
+                     "limits": {name: r["best"] for name, r in inproc.items()},
+                     "ensemble_vs_pytorch": ensemble / pytorch if pytorch else float("nan"),
+                     "classify_vs_own": classify / own if own else float("nan"),
+                     "ensemble_vs_classify": ensemble / classify if classify else float("nan")})
+    medians = {key: _median([row[key] for row in rows])
+               for key in ("classify", "ensemble", "pytorch", "own", "ensemble_vs_pytorch", "classify_vs_own",
+                           "ensemble_vs_classify")}
+    return {"rows": rows, **medians, "served_runtime": served_runtime}
 
 
-def headline(results):
-    c = classification_figure(results["classification"], results["meta"].get("policy_max_batch", 4))
-    h = results["hiding"]
-    d = results["describe"]
-    p = results["patterns"]
-    hiding_ratio = h.get("ratio") or (h["slow"]["throughput"] / h["fast"]["throughput"]
-                                      if h["fast"]["throughput"] else float("nan"))
-    ens, two = p["ensemble"], p["two_step"]
-    figures = [
-        ("1. classify through Triton / in-process TorchScript (throughput)", f"{c['ratio']:.2f}", ">= 0.9",
-         c["ratio"] >= 0.9),
-        (f"2. ensemble, LLM {h['latency_ms']} ms / LLM 0 ms (throughput at concurrency {h['concurrency']})",
-         f"{hiding_ratio:.2f}", ">= 0.9", hiding_ratio >= 0.9),
-        ("3. describe model overhead over a direct upstream call (p50)", f"{d['overhead_p50_ms']:.2f} ms", "< 3 ms",
-         d["overhead_p50_ms"] < 3.0),
-        (f"4. ensemble / two-step client (LLM {p['latency_ms']} ms, concurrency {p['concurrency']})",
-         f"throughput {ens['throughput'] / two['throughput']:.2f}x, p50 {_f(ens['p50_ms'], 0)} vs "
-         f"{_f(two['p50_ms'], 0)} ms, p99 {_f(ens['p99_ms'], 0)} vs {_f(two['p99_ms'], 0)} ms",
-         "throughput >= 1x, lower latency",
-         ens["throughput"] >= two["throughput"] and ens["p50_ms"] <= two["p50_ms"]),
+def _runtime_name(results, runtime):
+    for turn in results["limits"]["turns"]:
+        if runtime in turn["inprocess"]:
+            return turn["inprocess"][runtime]["description"]
+    return runtime
+
+
+def accuracy_target(accuracy):
+    """int8 top-1 agreement with fp32: the lowest over the crop sets measured."""
+    name = "int8 top-1 agreement with fp32 (lowest over the crop sets)"
+    if not accuracy or "error" in accuracy:
+        why = accuracy["error"] if accuracy else "no int8 model in this build"
+        return Target(name, None, 0.99, detail=why, digits=3)
+    sets = accuracy["sets"]
+    detail = "; ".join(f"{s['top1_agreement'] * 100:.1f} % of {s['crops']} crops of at least "
+                       f"{s['min_crop_area'] * 100:g} % of a photo (top-5 overlap {s['top5_overlap'] * 100:.1f} %)"
+                       for s in sets)
+    return Target(name, min(s["top1_agreement"] for s in sets), 0.99, detail=detail, digits=3)
+
+
+def targets(results):
+    """Every target of the run, computed from the results alone."""
+    fig = limits_figure(results)
+    c = results["limits"]["concurrency"]
+    own = _runtime_name(results, fig["served_runtime"])
+    rows = [
+        Target("ensemble throughput (LLM 0 ms) / in-process PyTorch fp32 limit", fig["ensemble_vs_pytorch"], 1.5,
+               detail=f"{_f(fig['ensemble'])} req/s at c={c} vs {_f(fig['pytorch'])} img/s"),
+        Target(f"`classify` throughput / in-process limit of its own runtime ({own})", fig["classify_vs_own"], 0.95,
+               detail=f"{_f(fig['classify'])} img/s at c={c} vs {_f(fig['own'])} img/s"),
+        Target("ensemble (LLM 0 ms) / `classify` throughput", fig["ensemble_vs_classify"], 0.9,
+               detail=f"{_f(fig['ensemble'])} vs {_f(fig['classify'])} /s at c={c}"),
     ]
-    sweeps = results["sweeps"]
-    peak = {name: max(sweeps[name], key=lambda r: r["throughput"]) for name in ("classify", "classify_and_describe")}
-    figures.append(("5. concurrency sweeps: peak throughput",
-                    f"classify {_f(peak['classify']['throughput'])}/s at c={peak['classify']['concurrency']}; "
-                    f"ensemble (LLM {sweeps['ensemble_latency_ms']} ms) "
-                    f"{_f(peak['classify_and_describe']['throughput'])}/s at "
-                    f"c={peak['classify_and_describe']['concurrency']}", "plots", True))
-    return figures, {"classification": c, "hiding_ratio": hiding_ratio}
+    baseline = results.get("baseline", {})
+    for model, label in (("classify", "`classify`"), ("classify_and_describe", "ensemble (LLM 0 ms)")):
+        now = results["limits"]["latency_c1"][model]["p50_ms"]
+        then = baseline.get("p50_c1_ms", {}).get(model)
+        rows.append(Target(f"p50 at concurrency 1, {label}: this run / {baseline.get('file', 'no baseline')}",
+                           now / then if then else None, 0.7, at_most=True,
+                           detail=f"{_f(now)} ms vs {_f(then)} ms" if then else
+                           f"{_f(now)} ms; the baseline file has no such figure"))
+    rows.append(accuracy_target(results.get("accuracy")))
+    h, d, p = results["hiding"], results["describe"], results["patterns"]
+    rows += [
+        Target(f"ensemble throughput, LLM {h['latency_ms']} ms / LLM 0 ms (c={h['concurrency']})", h["ratio"], 0.9),
+        Target("`describe` p50 overhead over a direct upstream call", d["overhead_p50_ms"], 3.0, at_most=True,
+               unit=" ms"),
+        Target(f"ensemble / two-step client throughput (LLM {p['latency_ms']} ms, c={p['concurrency']})",
+               p["ensemble"]["throughput"] / p["two_step"]["throughput"], 1.0,
+               detail=f"p50 {_f(p['ensemble']['p50_ms'], 0)} vs {_f(p['two_step']['p50_ms'], 0)} ms"),
+    ]
+    for name, module in extra_sections.by_name().items():
+        section = results.get("sections", {}).get(name)
+        if section and "error" not in section and hasattr(module, "targets"):
+            rows += module.targets(section)
+    return rows
 
 
 # -- plots ------------------------------------------------------------------------------------
@@ -152,8 +237,11 @@ def _plots(results, plots_dir):
 
 
 def where_time_goes(results):
-    pair = results["classification"][0]
-    stats = pair["stats"]
+    """Triton's statistics around the first turn's `classify` run: time per request by segment, and each
+    stage's compute per image next to one in-process worker of the served runtime (one thread, as one
+    instance has)."""
+    turn = results["limits"]["turns"][0]
+    stats = turn["classify"]["stats"]
     pre, cls = stats.get("preprocess"), stats.get("classifier")
     if not pre or not cls or not pre["count"] or not cls["count"]:
         return None
@@ -167,21 +255,50 @@ def where_time_goes(results):
     server = total["request_ms"] / total["count"] if total.get("count") else sum(s[1] for s in segments)
     other = max(0.0, server - sum(s[1] for s in segments))
     segments.append(("ensemble + IPC", other, "#bdbdbd"))
-    client_extra = max(0.0, pair["triton"]["p50_ms"] - server)
+    client_extra = max(0.0, turn["classify"]["p50_ms"] - server)
     segments.append(("client + HTTP (p50 - server avg)", client_extra, "#e5e5e5"))
-    inproc = pair["inprocess"]
+    served = turn["inprocess"].get(results["limits"]["served_runtime"])
+    single = next((row for row in served["layouts"] if row["threads"] == 1), served["layouts"][0]) if served else None
     avg_pre = pre["inference_count"] / pre["exec_count"] if pre["exec_count"] else 1
     avg_cls = cls["inference_count"] / cls["exec_count"] if cls["exec_count"] else 1
-    nearest = min(inproc["forward"], key=lambda b: abs(b - avg_cls))
-    # Each request of a batch is charged the whole batch's compute: per image = per request / batch.
-    closeness = [
-        ("preprocess (decode, resize, normalise)", pre["compute_ms"] / pre["count"] / avg_pre, avg_pre,
-         1000.0 / inproc["decode"], "batch 1"),
-        ("classifier (TorchScript forward + top-5)", cls["compute_ms"] / cls["count"] / avg_cls, avg_cls,
-         1000.0 / inproc["forward"][nearest], f"batch {nearest}"),
-    ]
-    return {"segments": segments, "closeness": closeness, "concurrency": pair["triton"].get("concurrency")
-            or results["meta"]["params"]["classify_c"], "server_ms": server}
+    closeness = []
+    if single:
+        nearest = min(single["per_worker_forward"], key=lambda b: abs(b - avg_cls))
+        # Each request of a batch is charged the whole batch's compute: per image = per request / batch.
+        closeness = [
+            ("preprocess (decode, resize, crop)", pre["compute_ms"] / pre["count"] / avg_pre, avg_pre,
+             1000.0 / single["per_worker_decode"], f"batch 1, {single['threads']} thread"),
+            ("classifier (forward + top-5)", cls["compute_ms"] / cls["count"] / avg_cls, avg_cls,
+             1000.0 / single["per_worker_forward"][nearest], f"batch {nearest}, {single['threads']} thread"),
+        ]
+    return {"segments": segments, "closeness": closeness, "concurrency": results["limits"]["concurrency"],
+            "server_ms": server}
+
+
+CPU_PLACES = ("load generator", "tritonserver", "preprocess stubs", "classifier stubs", "describe stubs",
+              "fake upstream")
+
+
+def cpu_table(columns):
+    """Markdown rows of CPU ms per request by place; columns: {header: {place: ms}}; the rest of the
+    machine is what /proc/stat counted beyond the named processes."""
+    names = list(columns)
+    lines = ["| where | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    places = [w for w in CPU_PLACES if any(w in c for c in columns.values())]
+    for where in places:
+        lines.append(f"| {where} | " + " | ".join(_f(columns[n].get(where, 0.0), 2) for n in names) + " |")
+    server = [w for w in places if w == "tritonserver" or w.endswith(" stubs")]
+    lines.append("| *server: tritonserver + stubs* | " + " | ".join(
+        f"*{_f(sum(columns[n].get(w, 0.0) for w in server), 2)}*" for n in names) + " |")
+    lines.append("| everything else on the machine | " + " | ".join(
+        _f(columns[n]["machine"] - sum(columns[n].get(w, 0.0) for w in places), 2) for n in names) + " |")
+    lines.append("| **whole machine** | " + " | ".join(f"**{_f(columns[n]['machine'], 2)}**" for n in names) + " |")
+    return lines
+
+
+def _median_cpu(runs):
+    places = {where for run in runs for where in run["cpu_ms_per_request"]}
+    return {where: _median([run["cpu_ms_per_request"].get(where, 0.0) for run in runs]) for where in places}
 
 
 # -- markdown ---------------------------------------------------------------------------------
@@ -194,138 +311,211 @@ def _rel(path, out_path):
 
 
 def write(results, out_path, plots_dir):
+    """Write the report and its plots from `results` (a loaded results file); return the headline lines."""
     out_path = pathlib.Path(out_path)
     plots_dir = pathlib.Path(plots_dir)
-    figures, derived = headline(results)
+    rows = targets(results)
     plots = _plots(results, plots_dir)
     meta = results["meta"]
     params = meta["params"]
+    versions = meta.get("versions", {})
     lines = []
     add = lines.append
-    load = " / ".join(f"{v:.1f}" for v in meta["load_before"])
+    load_before = " / ".join(f"{v:.1f}" for v in meta["load_before"])
     load_after = " / ".join(f"{v:.1f}" for v in meta.get("load_after", (float("nan"),) * 3))
     add("# Benchmarks\n")
-    add(f"Produced by `{meta['command']}` (tools/bench/run.py, mode `{meta['mode']}`) on {meta['date']}, "
-        f"commit `{meta['commit']}`.\n")
+    add(f"Generated from `{meta.get('results_file', 'the results file')}`, the results of one run of "
+        f"`{meta['command']}` (tools/bench/run.py, mode `{meta['mode']}`) on {meta['date']}, commit "
+        f"`{meta['commit']}`. Regenerate it from that file: `.venv/bin/python -m tools.bench.report "
+        f"{meta.get('results_file', 'RESULTS_JSON')} --out {_repo_path(out_path)}`. How the figures are measured "
+        "and how to read them: "
+        f"[{METHOD_DOC}]({METHOD_DOC}).\n")
     add(f"- Machine: {meta['machine']}.")
-    add(f"- Load: 1/5/15-min load average {load} before the run and {load_after} after; "
-        f"{meta['other_servers']} other tritonserver process(es) were running (other engineers' tests on the same "
-        "2 cores). Absolute numbers therefore move from run to run; every figure below is a **ratio of two "
-        "measurements taken side by side in the same run**, which is what the targets are about.")
-    add(f"- Server: Triton {_version('TRITON_VERSION')} (nvidia-pytriton wheel), started by `scripts/serve.sh` on a "
-        f"temp copy of `model_repository/` on free loopback ports (ready in {meta.get('server_startup_s', 0):.0f} s), "
-        "with `LLM_CACHE_ENABLED=false` and a distinct `PROMPT` per request, so every request is one upstream call. "
-        "The LLM upstream is `tools/fake_openai` (latency set through its admin API).")
-    add(f"- Load generator: NVIDIA perf_analyzer (tritonclient {_version('PERF_ANALYZER_TRITONCLIENT_VERSION')} "
-        f"wheel, `make perf-analyzer`), HTTP, real JPEG bytes (scikit-image chelsea 451x300 and coffee 600x400, "
-        f"Pillow quality 85) as `--input-data` JSON; {params['trials']} windows of {params['window_ms']} ms per "
-        "point, stability not required (`-s 1000`: the shared machine never stays within 10 %). "
-        "Figures 3 and 4 use a Python asyncio client (tritonclient + openai SDK), since perf_analyzer cannot "
-        "play the two-step client.")
+    add(f"- Load: 1/5/15-min load average {load_before} before the run and {load_after} after; "
+        f"{meta['other_servers']} tritonserver process(es) not started by this run were running.")
+    add(f"- Server: Triton {versions.get('TRITON_VERSION', '?')}, `scripts/serve.sh` on a temp copy of "
+        f"`model_repository/` (ready in {meta.get('server_startup_s', 0):.0f} s), `LLM_CACHE_ENABLED=false`, a "
+        "distinct `PROMPT` per request; LLM upstream `tools/fake_openai`. Classifier config: "
+        f"{meta.get('classifier_config', '?')}.")
+    add(f"- Load generator: perf_analyzer (tritonclient {versions.get('PERF_ANALYZER_TRITONCLIENT_VERSION', '?')} "
+        f"wheel), HTTP, JPEG bytes of scikit-image's chelsea and coffee photos; {params['trials']} windows of "
+        f"{params['window_ms']} ms per point. Figures 3 and 4: a Python asyncio client.")
     add(f"- The whole run took {meta['duration_s']:.0f} s. Reproduce: `make build perf-analyzer && "
         f"{meta['command']}`.\n")
-    add("perf_analyzer command lines (the work-dir file names; `<C>` is the concurrency, `<W>` the window: "
-        f"{params['window_ms']} ms, or three times the expected latency where that is longer, up to "
-        f"{params.get('window_cap_ms', 30000) / 1000:g} s):\n")
+
+    add("## Targets\n")
+    add("Computed from this run's results file; ratios are medians over the turns of figure 1, each turn "
+        "measuring both sides back to back.\n")
+    add("| target | measured | threshold | | from |")
+    add("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        value, bound = row.cells()
+        add(f"| {row.name} | {value} | {bound} | {_mark(row.met)} | {row.detail} |")
+    cpu_line = ensemble_cpu_line(results)
+    add(f"\n{cpu_line}\n")
+
+    _limits_section(results, add, plots, out_path)
+    _hiding_section(results, add)
+    _describe_section(results, add)
+    _patterns_section(results, add)
+    _sweeps_section(results, add, plots, out_path)
+    _tuning_section(results, add, plots, out_path)
+    _extra_sections(results, add)
+
+    add("## perf_analyzer command lines\n")
+    add(f"`<C>` is the concurrency, `<W>` the window: {params['window_ms']} ms, or three times the expected "
+        f"latency where that is longer, up to {params.get('window_cap_ms', 30000) / 1000:g} s.\n")
     add("```")
     lines.extend(meta.get("perf_analyzer_commands", []))
-    add("```\n")
+    add("```")
 
-    add("## Headline\n")
-    add("| figure | measured | target | |")
-    add("| --- | --- | --- | --- |")
-    for name, value, target, ok in figures:
-        add(f"| {name} | {value} | {target} | {_mark(ok) if target != 'plots' else ''} |")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("\n".join(lines).rstrip() + "\n")
+
+    head = ["", f"bench: targets ({meta['mode']}, {meta.get('results_file', '')})"]
+    for row in rows:
+        value, bound = row.cells()
+        head.append(f"  {row.name}: {value}  [target {bound}: {'met' if row.met else 'NOT met'}]")
+    head.append(f"  {cpu_line}")
+    return "\n".join(head)
+
+
+def ensemble_cpu_line(results):
+    """One line: the ensemble's CPU per request by stage (figure 1, median over the turns)."""
+    cpu = _median_cpu([turn["ensemble"] for turn in results["limits"]["turns"]])
+    places = ("classifier stubs", "preprocess stubs", "describe stubs", "tritonserver")
+    stages = ", ".join(f"{where} {_f(cpu.get(where, 0.0))}" for where in places)
+    return (f"CPU per ensemble request (LLM 0 ms, figure 1), ms: {_f(sum(cpu.get(w, 0.0) for w in places))} in the "
+            f"server's processes ({stages}); perf_analyzer {_f(cpu.get('load generator'))}; whole machine "
+            f"{_f(cpu.get('machine'))}.")
+
+
+def _limits_section(results, add, plots, out_path):
+    limits = results["limits"]
+    fig = limits_figure(results)
+    meta = results["meta"]
+    c = limits["concurrency"]
+    runtimes = list(fig["rows"][0]["limits"])
+    names = {runtime: _runtime_name(results, runtime) for runtime in runtimes}
+    first = limits["turns"][0]["inprocess"]
+    batches = sorted({b for r in runtimes for row in first[r]["layouts"] for b in row["e2e"]})
+    order = (" in turns, Triton first in odd turns and in-process first in even ones" if len(fig["rows"]) > 1
+             else ", Triton first")
+    add("## 1. Served throughput against the in-process limits\n")
+    add(f"`classify` and `classify_and_describe` (fake LLM at 0 ms) under perf_analyzer at concurrency {c}, and "
+        "`tools/bench/inprocess.py`: the same preprocess and classifier code with the model repository's settings, "
+        f"per runtime, in the layouts {', '.join(meta.get('layouts', []))} (processes x threads) at batch sizes "
+        f"{', '.join(map(str, batches))}; a runtime's limit is its best layout and batch size. The server's "
+        f"classifier runs {names.get(fig['served_runtime'], fig['served_runtime'])}. {len(fig['rows'])} turn(s)"
+        f"{order}.\n")
+    add("| turn | `classify` img/s | ensemble req/s | " +
+        " | ".join(f"{names[r]} limit img/s (layout, batch)" for r in runtimes) +
+        " | ensemble / PyTorch | classify / own runtime | ensemble / classify |")
+    add("| --- | --- | --- |" + " --- |" * len(runtimes) + " --- | --- | --- |")
+    for number, row in enumerate(fig["rows"], 1):
+        add(f"| {number} | {_f(row['classify'])} | {_f(row['ensemble'])} | " +
+            " | ".join(f"{_f(row['limits'][r]['throughput'])} ({row['limits'][r]['layout']}, batch "
+                       f"{row['limits'][r]['batch']})" for r in runtimes) +
+            f" | {_f(row['ensemble_vs_pytorch'], 2)} | {_f(row['classify_vs_own'], 2)} | "
+            f"{_f(row['ensemble_vs_classify'], 2)} |")
     add("")
 
-    # 1
-    c = derived["classification"]
-    add("## 1. Classification: Triton vs in-process TorchScript\n")
-    add(f"`classify` (IMAGE bytes in, LABELS/SCORES out) under perf_analyzer at concurrency {params['classify_c']}, "
-        "against `tools/bench/inprocess.py`: the same decode/preprocess code (`backends/image_preprocess`) and "
-        "classifier code (`backends/torchscript_classifier`) in one process, "
-        "with as many torch threads as the classifier's instances use together "
-        f"({_threads(results)}), at each batch size up to the largest the server's batcher prefers "
-        f"(shipped classifier config: {results['meta'].get('classifier_config', '?')}); the baseline is the best "
-        f"of those batch sizes. {params['repeats']} turn(s) of Triton then in-process; the ratio is the median. "
-        "Triton runs decode and forward in two processes (preprocess, classifier), the in-process loop runs "
-        "them one after the other.\n")
-    add("| turn | Triton img/s | server avg batch | in-process e2e img/s (best batch) | forward-only img/s | ratio |")
-    add("| --- | --- | --- | --- | --- | --- |")
-    for i, row in enumerate(c["rows"], 1):
-        add(f"| {i} | {_f(row['triton'])} | {_f(row['avg_batch'], 2)} | {_f(row['inproc'])} (batch "
-            f"{row['best_batch']}) | {_f(row['forward'])} | {row['ratio']:.2f} |")
+    add("In-process rates, img/s (median over the turns): decode + preprocess + forward at each batch size, "
+        "the forward pass alone at the best batch size, and the decode + preprocess alone.\n")
+    add("| runtime | layout | " + " | ".join(f"batch {b}" for b in batches) + " | forward only | decode only |")
+    add("| --- | --- |" + " --- |" * len(batches) + " --- | --- |")
+    for runtime in runtimes:
+        for index, row in enumerate(first[runtime]["layouts"]):
+            same = [turn["inprocess"][runtime]["layouts"][index] for turn in limits["turns"]]
+            cells = [_f(_median([r["e2e"].get(b, float("nan")) for r in same])) for b in batches]
+            forward = _median([max(r["forward"].values()) for r in same])
+            decode = _median([r["decode"] for r in same])
+            add(f"| {names[runtime]} | {row['name']} | " + " | ".join(cells) + f" | {_f(forward)} | {_f(decode)} |")
     add("")
-    add("In-process rates per batch size (last turn), img/s:\n")
-    last = results["classification"][-1]["inprocess"]
-    batches = sorted(last["e2e"])
-    add("| | " + " | ".join(f"batch {b}" for b in batches) + " |")
-    add("| --- |" + " --- |" * len(batches))
-    add("| decode + preprocess + forward | " + " | ".join(_f(last["e2e"][b]) for b in batches) + " |")
-    add("| forward only | " + " | ".join(_f(last["forward"][b]) for b in batches) + " |")
-    add(f"\nDecode + preprocess alone: {_f(last['decode'])} img/s on one core.\n")
+
+    add("### p50 at concurrency 1\n")
+    baseline = results.get("baseline", {})
+    if baseline.get("missing") or not baseline:
+        add(f"No baseline: `{baseline.get('file', '?')}` was not found.\n")
+    else:
+        add(f"Against `{baseline['file']}` (mode `{baseline['mode']}`, {baseline['date']}, commit "
+            f"`{baseline['commit']}`, load average {_f((baseline.get('load_before') or [float('nan')])[0])} "
+            "before it).\n")
+    add("| model | this run p50 ms | p99 ms | baseline p50 ms | ratio |")
+    add("| --- | --- | --- | --- | --- |")
+    for model in ("classify", "classify_and_describe"):
+        run = limits["latency_c1"][model]
+        then = baseline.get("p50_c1_ms", {}).get(model)
+        add(f"| {model} | {_f(run['p50_ms'])} | {_f(run['p99_ms'])} | {_f(then)} | "
+            f"{_f(run['p50_ms'] / then, 2) if then else 'n/a'} |")
+    add("")
+
+    add("### CPU per request, by process\n")
+    add("ms of CPU per request over each perf_analyzer run of figure 1 (median over the turns), from `/proc`: "
+        "the load generator is perf_analyzer, the whole machine is every process on it.\n")
+    columns = {f"`classify` (c={c})": _median_cpu([t["classify"] for t in limits["turns"]]),
+               f"ensemble, LLM 0 ms (c={c})": _median_cpu([t["ensemble"] for t in limits["turns"]])}
+    for line in cpu_table(columns):
+        add(line)
+    add("")
 
     stages = where_time_goes(results)
     if stages:
-        add("### Where the time goes, and how close each stage is to this machine\n")
-        add("From Triton's statistics API (`/v2/models/stats`) around the Triton run of turn 1: average per request, "
-            "in ms.\n")
+        add("### Where the time goes\n")
+        add("Triton's statistics API (`/v2/models/stats`) around the first turn's `classify` run: average per "
+            "request, in ms.\n")
         add("| segment | ms per request |")
         add("| --- | --- |")
         for label, value, _ in stages["segments"]:
             add(f"| {label} | {_f(value)} |")
         add("")
-        add("| stage | Triton compute per image (ms) | avg batch | in-process per image (ms) | in-process / Triton |")
-        add("| --- | --- | --- | --- | --- |")
-        for label, served, batch, inproc_ms, how in stages["closeness"]:
-            add(f"| {label} | {_f(served, 2)} | {_f(batch, 2)} | {_f(inproc_ms, 2)} ({how}) | "
-                f"{inproc_ms / served:.2f} |")
-        add("")
+        if stages["closeness"]:
+            add("| stage | Triton compute per image (ms) | avg batch | one in-process worker per image (ms) | "
+                "in-process / Triton |")
+            add("| --- | --- | --- | --- | --- |")
+            for label, served, batch, inproc_ms, how in stages["closeness"]:
+                add(f"| {label} | {_f(served, 2)} | {_f(batch, 2)} | {_f(inproc_ms, 2)} ({how}) | "
+                    f"{inproc_ms / served:.2f} |")
+            add("")
         if "stages" in plots:
             add(f"![where the time goes]({_rel(plots['stages'], out_path)})\n")
 
-    # 2
+
+def _hiding_section(results, add):
     h = results["hiding"]
     add("## 2. The LLM latency is hidden, not paid per request\n")
-    add(f"`classify_and_describe` under perf_analyzer with the fake upstream answering after {h['latency_ms']} ms "
-        f"and after 0 ms, both at concurrency {h['concurrency']}: chosen by Little's law from the 0 ms throughput "
-        f"at concurrency {results['meta']['params']['cover_base_c']} ({_f(h['probe']['throughput'])}/s), so that "
-        f"enough requests are in flight to cover {h['latency_ms']} ms.\n")
+    add(f"`classify_and_describe` with the fake upstream answering after {h['latency_ms']} ms and after 0 ms, "
+        f"both at concurrency {h['concurrency']} (Little's law from the 0 ms throughput at concurrency "
+        f"{results['meta']['params']['cover_base_c']}: {_f(h['probe']['throughput'])}/s).\n")
     add("| LLM latency | throughput (infer/s) | p50 ms | p99 ms | upstream calls / requests | window ms |")
     add("| --- | --- | --- | --- | --- | --- |")
-    for run in h.get("turns") or (dict(h["fast"], llm_latency_ms=0), dict(h["slow"], llm_latency_ms=h["latency_ms"])):
-        label = f"{run['llm_latency_ms']} ms"
+    for run in h["turns"]:
         calls = (run["upstream_calls"] / run["triton_requests"]) if run.get("triton_requests") else float("nan")
-        add(f"| {label} | {_f(run['throughput'])} | {_f(run['p50_ms'], 0)} | {_f(run['p99_ms'], 0)} | "
-            f"{_f(calls, 2)} | {run.get('window_ms', '')} |")
-    add(f"\nRatio (sum of the slow turns' throughput over the fast turns'): **{derived['hiding_ratio']:.2f}** "
-        "(target at least 0.9), turns in the order listed. Upstream calls per request near 1.00 show "
-        "that no answer came from a cache.\n")
+        add(f"| {run['llm_latency_ms']} ms | {_f(run['throughput'])} | {_f(run['p50_ms'], 0)} | "
+            f"{_f(run['p99_ms'], 0)} | {_f(calls, 2)} | {run.get('window_ms', '')} |")
+    add(f"\nRatio (slow turns' throughput over the fast turns'): **{h['ratio']:.2f}**, turns in the order "
+        "listed.\n")
 
-    # 3
+
+def _describe_section(results, add):
     d = results["describe"]
     add("## 3. describe model overhead\n")
-    add(f"One request at a time, {d['triton']['count']} of each, interleaved: the `describe` model (LABELS, SCORES, "
-        "PROMPT in) against the same chat-completions call made straight to the fake upstream (0 ms) with the openai "
-        "SDK, both from Python on this machine.\n")
+    add(f"One request at a time, {d['triton']['count']} of each, interleaved: the `describe` model against the "
+        "same chat-completions call made straight to the fake upstream (0 ms) with the openai SDK.\n")
     add("| path | p50 ms | p99 ms |")
     add("| --- | --- | --- |")
     add(f"| Triton `describe` | {_f(d['triton']['p50_ms'], 2)} | {_f(d['triton']['p99_ms'], 2)} |")
     add(f"| direct upstream call | {_f(d['direct']['p50_ms'], 2)} | {_f(d['direct']['p99_ms'], 2)} |")
     add(f"| **overhead** | **{_f(d['overhead_p50_ms'], 2)}** | {_f(d['overhead_p99_ms'], 2)} |\n")
 
-    # 4
+
+def _patterns_section(results, add):
     p = results["patterns"]
     add("## 4. The ensemble vs the two-step client\n")
-    order = " ".join(p.get("order", ("ensemble", "two_step")))
-    add(f"Same images, distinct prompts, concurrency {p['concurrency']}, {p['duration_s']:.0f} s per turn after a "
-        f"warm-up, fake upstream latency {p['latency_ms']} ms, turns in the order {order} in the same run "
-        "(the table gives the mean over a pattern's turns). Two-step: the client asks "
-        "Triton `classify`, then calls the LLM itself with the openai SDK (the same chat messages the describe "
-        "model sends). Ensemble: one `classify_and_describe` request. Both are bound by the classifier on "
-        "this CPU, and on loopback the ensemble saves one client round trip and the second request's "
-        "serialisation, about a millisecond of a few hundred, so expect the two within the noise here; the "
-        "saving grows with the client's network distance (one round trip instead of two).\n")
+    add(f"Concurrency {p['concurrency']}, {p['duration_s']:.0f} s per turn after a warm-up, fake upstream latency "
+        f"{p['latency_ms']} ms, turns in the order {' '.join(p['order'])}; the table gives the mean over a "
+        "pattern's turns. Two-step: `classify`, then the client calls the LLM with the openai SDK. Ensemble: one "
+        "`classify_and_describe` request.\n")
     add("| pattern | throughput (req/s) | p50 ms | p99 ms | errors |")
     add("| --- | --- | --- | --- | --- |")
     for name in ("ensemble", "two_step"):
@@ -333,9 +523,8 @@ def write(results, out_path, plots_dir):
         add(f"| {name.replace('_', '-')} | {_f(r['throughput'])} | {_f(r['p50_ms'], 0)} | {_f(r['p99_ms'], 0)} | "
             f"{r['errors']} |")
     add("")
-    if len(p.get("order", ())) > 2:
-        add("Each turn, in the order run (the spread between turns of one pattern is the noise the "
-            "difference above has to clear):\n")
+    if len(p["order"]) > 2:
+        add("Each turn, in the order run:\n")
         add("| turn | pattern | throughput (req/s) | p50 ms | p99 ms |")
         add("| --- | --- | --- | --- | --- |")
         turns = {name: iter(p[name]["turns"]) for name in ("ensemble", "two_step")}  # each in run order
@@ -343,37 +532,16 @@ def write(results, out_path, plots_dir):
             r = next(turns[name])
             add(f"| {number} | {name.replace('_', '-')} | {_f(r['throughput'])} | {_f(r['p50_ms'], 0)} | "
                 f"{_f(r['p99_ms'], 0)} |")
-        spread = {name: (min(t["throughput"] for t in p[name]["turns"]), max(t["throughput"] for t in p[name]["turns"]))
-                  for name in ("ensemble", "two_step")}
-        add("\nThroughput range over the turns: ensemble " + " to ".join(_f(v) for v in spread["ensemble"]) +
-            " req/s, two-step " + " to ".join(_f(v) for v in spread["two_step"]) + " req/s.")
         add("")
-    if all("cpu_ms_per_request" in p[name] for name in ("ensemble", "two_step")):
-        cpu = {name: p[name]["cpu_ms_per_request"] for name in ("ensemble", "two_step")}
-        add("Where one request's CPU goes (ms of CPU per request, mean over the turns; from `/proc`, "
-            "`harness.cpu_seconds`). The load generator plays the client: in the two-step pattern it makes "
-            "the LLM call itself with the openai SDK, which the ensemble does in the `describe` stub:\n")
-        add("| where | ensemble | two-step |")
-        add("| --- | --- | --- |")
-        places = [w for w in ("load generator", "tritonserver", "preprocess stubs", "classifier stubs",
-                              "describe stubs", "fake upstream") if any(w in c for c in cpu.values())]
-        for where in places:
-            add(f"| {where} | {_f(cpu['ensemble'].get(where, 0.0), 2)} | {_f(cpu['two_step'].get(where, 0.0), 2)} |")
-        rest = {name: c["machine"] - sum(c.get(w, 0.0) for w in places) for name, c in cpu.items()}
-        add(f"| everything else on the machine | {_f(rest['ensemble'], 2)} | {_f(rest['two_step'], 2)} |")
-        add(f"| **whole machine** | **{_f(cpu['ensemble']['machine'], 2)}** | **{_f(cpu['two_step']['machine'], 2)}** |")
-        moved = cpu["ensemble"].get("describe stubs", 0.0) + cpu["ensemble"].get("tritonserver", 0.0) \
-            - cpu["two_step"].get("tritonserver", 0.0)
-        add(f"\nThe ensemble moves the LLM call from the client into the server: the server side spends "
-            f"{_f(moved, 1)} ms more CPU per request (the `describe` stub and the ensemble's extra step), the "
-            f"client {_f(cpu['two_step'].get('load generator', 0.0) - cpu['ensemble'].get('load generator', 0.0), 1)} "
-            "ms less. Here client and server share the same cores, so the totals, and the throughputs, come out "
-            "about equal. With clients on other machines, a CPU-bound server does that much more work per "
-            "request in the ensemble; what it buys is one round trip instead of two, no LLM key, SDK or "
-            "prompt template in any client, and the server-side cache, fallback, limits and cost metrics.")
-        add("")
+    add("CPU per request by process (ms, mean over the turns, warm-up included; the load generator is the "
+        "Python client, which in the two-step pattern also makes the LLM call):\n")
+    for line in cpu_table({"ensemble": p["ensemble"]["cpu_ms_per_request"],
+                           "two-step": p["two_step"]["cpu_ms_per_request"]}):
+        add(line)
+    add("")
 
-    # 5
+
+def _sweeps_section(results, add, plots, out_path):
     sweeps = results["sweeps"]
     add("## 5. Concurrency sweeps\n")
     for name, title in (("classify", "classify"),
@@ -388,55 +556,61 @@ def write(results, out_path, plots_dir):
         if name in plots:
             add(f"![{title} sweep]({_rel(plots[name], out_path)})\n")
 
-    # tuning
-    add("## The tuning behind the shipped classifier config\n")
-    if results.get("tuning"):
-        concs = sorted({c for row in results["tuning"] for c in row["results"]})
-        add("perf_analyzer on `classify` with the classifier's config.pbtxt swapped on the run's temp copy of the "
-            "model repository and reloaded (`POST /v2/repository/models/classifier/load`); everything else as "
-            "shipped. The forward-pass measurements that led to the shipped values are in "
-            "[tuning-classifier.md](tuning-classifier.md).\n")
-        add("| config | " + " | ".join(f"c={c}: img/s, p50 / p99 ms, avg batch" for c in concs) + " |")
-        add("| --- |" + " --- |" * len(concs))
-        for row in results["tuning"]:
-            cells = []
-            for c in concs:
-                r = row["results"][c]
-                cells.append(f"{_f(r['throughput'])}, {_f(r['p50_ms'], 0)} / {_f(r['p99_ms'], 0)}, "
-                             f"{_f(r['avg_batch'], 2)}")
-            add(f"| {row['label']} | " + " | ".join(cells) + " |")
-        add("")
-        best = {c: max(results["tuning"], key=lambda row: row["results"][c]["throughput"]) for c in concs}
-        shipped = next((row for row in results["tuning"] if row["name"] == "shipped"), None)
-        for c, row in best.items():
-            if shipped is None:
-                break
-            gain = row["results"][c]["throughput"] / max(shipped["results"][c]["throughput"], 1e-9)
-            verdict = ("the shipped config is the best measured" if row is shipped else
-                       f"best measured: {row['label']}, {gain:.2f}x the shipped config's throughput")
+
+def _tuning_section(results, add, plots, out_path):
+    add("## 6. Classifier config alternatives\n")
+    if not results.get("tuning"):
+        add(f"Not measured in mode `{results['meta']['mode']}` (`make bench` measures them).\n")
+        return
+    concs = sorted({c for row in results["tuning"] for c in row["results"]})
+    add("perf_analyzer on `classify` with the classifier's config.pbtxt swapped on the run's temp copy of the "
+        "model repository and reloaded; everything else as shipped.\n")
+    add("| config | " + " | ".join(f"c={c}: img/s, p50 / p99 ms, avg batch" for c in concs) + " |")
+    add("| --- |" + " --- |" * len(concs))
+    for row in results["tuning"]:
+        cells = []
+        for c in concs:
+            r = row["results"][c]
+            cells.append(f"{_f(r['throughput'])}, {_f(r['p50_ms'], 0)} / {_f(r['p99_ms'], 0)}, "
+                         f"{_f(r['avg_batch'], 2)}")
+        add(f"| {row['label']} | " + " | ".join(cells) + " |")
+    add("")
+    shipped = next((row for row in results["tuning"] if row["name"] == "shipped"), None)
+    if shipped is not None:
+        for c in concs:
+            best = max(results["tuning"], key=lambda row: row["results"][c]["throughput"])
+            gain = best["results"][c]["throughput"] / max(shipped["results"][c]["throughput"], 1e-9)
+            verdict = ("the shipped config is the best measured" if best is shipped else
+                       f"best measured: {best['label']}, {gain:.2f}x the shipped config's throughput")
             add(f"- Concurrency {c}: {verdict}.")
-        add("\nOne run on a shared machine: a gap under about 20 % is within the run-to-run noise seen here; "
-            "a config change should rest on repeated runs.\n")
-        if "tuning" in plots:
-            add(f"![tuning]({_rel(plots['tuning'], out_path)})\n")
-    else:
-        add("Not measured in this mode (run `make bench`).\n")
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("\n".join(lines).rstrip() + "\n")
-
-    head = ["", "bench: headline (" + meta["mode"] + ")"]
-    for name, value, target, ok in figures:
-        head.append(f"  {name}: {value}" + (f"  [target {target}: {'met' if ok else 'NOT met'}]"
-                                            if target != "plots" else ""))
-    return "\n".join(head)
+        add("")
+    if "tuning" in plots:
+        add(f"![tuning]({_rel(plots['tuning'], out_path)})\n")
 
 
-def _threads(results):
-    return f"{results['meta'].get('torch_threads', '?')} torch thread(s), interop 1"
+def _extra_sections(results, add):
+    modules = extra_sections.by_name()
+    for name, section in results.get("sections", {}).items():
+        module = modules.get(name)
+        if module is not None and "error" not in section:
+            for line in module.render(section):  # its own "## " heading first
+                add(line)
+            add("")
+            continue
+        add(f"## {getattr(module, 'TITLE', name)}\n")
+        if "error" in section:
+            add(f"Not measured: the section failed ({section['error']}).\n")
+        else:
+            add(f"Measured, but no module `{name}` is listed in tools/bench/sections.py to render it.\n")
 
 
-def _version(name):
+def _repo_path(path):
+    path = pathlib.Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def version(name):
+    """A version from versions.env (recorded in the results file's meta at run time)."""
     try:
         for line in (REPO / "versions.env").read_text().splitlines():
             if line.startswith(name + "="):
@@ -444,3 +618,19 @@ def _version(name):
     except OSError:
         pass
     return "?"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Write the benchmark report and plots from a results file, "
+                                     "without measuring anything.")
+    parser.add_argument("results", type=pathlib.Path, help="a results file of tools/bench/run.py")
+    parser.add_argument("--out", type=pathlib.Path, help="the report (default: the one the run wrote)")
+    parser.add_argument("--plots", type=pathlib.Path, help="plot folder (default: plots/ beside the report)")
+    args = parser.parse_args(argv)
+    results = load(args.results)
+    out = args.out or REPO / results["meta"].get("report_file", "build/bench/benchmarks.md")
+    print(write(results, out, args.plots or out.parent / "plots"))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,9 +4,13 @@ write the report (docs/benchmarks.md) and its plots (docs/plots/*.png).
 One run starts its own fake LLM upstream and tritonserver on free loopback
 ports (a temp copy of model_repository/, so configs can be swapped for the
 tuning sweep), measures every figure side by side on the same machine, stops
-both by PID, and prints the headline ratios.
+both by PID, and prints the targets.
 
-usage: .venv/bin/python -m tools.bench.run --mode full|quick|smoke [--out FILE] [--plots DIR]
+usage: .venv/bin/python -m tools.bench.run --mode full|quick|smoke [--results FILE] [--out FILE] [--plots DIR]
+
+The run's figures go to one results file (JSON); the report and plots are
+generated from that file alone, and can be generated again from it without
+measuring: .venv/bin/python -m tools.bench.report RESULTS_JSON [--out FILE] [--plots DIR]
 """
 
 import argparse
@@ -24,30 +28,30 @@ import tempfile
 import time
 
 from tools import model_config
-from tools.bench import clients, harness, inputs, report
+from tools.bench import clients, harness, inprocess, inputs, report, sections
 
 REPO = harness.REPO
 
 # Every load run is bounded: perf_analyzer by windows x trials (and a timeout),
 # the Python clients by their duration.
 MODES = {
-    "smoke": dict(window_ms=1000, trials=3, repeats=1, inproc_s=0.3, inproc_batches="1,2",
-                  classify_c=2, hiding_abba=False, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
+    "smoke": dict(window_ms=1000, trials=3, repeats=1, inproc_s=0.3, inproc_batches=(1,),
+                  limit_c=2, hiding_abba=False, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
                   describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_blocks=0, pattern_s=1.5, warmup_s=0.5,
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
-                  tuning=("no_batching",), tuning_c=(2,)),
-    "quick": dict(window_ms=1500, window_cap_ms=4000, trials=3, repeats=1, inproc_s=1.5, inproc_batches="1,2,4",
-                  classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
+                  tuning=("no_batching",), tuning_c=(2,), accuracy_crops=10),
+    "quick": dict(window_ms=1500, window_cap_ms=4000, trials=3, repeats=1, inproc_s=1.0, inproc_batches=(1, 2),
+                  limit_c=8, hiding_abba=False, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
                   describe_n=60, pattern_latency_ms=200, pattern_c=16, pattern_blocks=1, pattern_s=4.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
-                  tuning=(), tuning_c=()),
-    "full": dict(window_ms=3000, trials=3, repeats=5, inproc_s=2.0, inproc_batches="1,2,4,8",
-                 classify_c=4, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
+                  tuning=(), tuning_c=(), accuracy_crops=100),
+    "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches=(1, 2, 4),
+                 limit_c=8, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_blocks=2, pattern_s=10.0, warmup_s=2.0,
                  classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
                  ensemble_sweep_latency_ms=200,
                  tuning=("shipped", "no_batching", "delay_2ms", "preferred_8", "threads_2", "two_instances"),
-                 tuning_c=(4, 8)),
+                 tuning_c=(4, 8), accuracy_crops=600),
 }
 
 
@@ -91,28 +95,39 @@ def other_tritonservers():
 
 # -- the measurements ---------------------------------------------------------------------
 
-def measure_classification(ctx, p):
-    """Figure 1: classify through Triton vs the same work in one process; repeated in turns."""
-    pairs = []
-    for _repeat in range(p["repeats"]):
-        before = ctx.triton.stats()
-        served = ctx.pa("classify", p["classify_c"])
-        delta = harness.stats_delta(before, ctx.triton.stats())
-        log(f"classify c={p['classify_c']}: {served['throughput']:.1f} img/s, p50 {served['p50_ms']:.1f} ms")
-        inproc = run_inprocess(ctx, p)
-        log(f"in-process: {json.dumps(inproc)}")
-        pairs.append({"triton": served, "stats": delta, "inprocess": inproc})
-    return pairs
+def measure_limits(ctx, p):
+    """Figure 1 and the targets: `classify` and the ensemble (LLM 0 ms) through Triton at the same
+    concurrency, with CPU per request by process, against each runtime's in-process limit; in turns,
+    the order reversed every other turn so that a drift in the machine's load weighs on both sides."""
+    ctx.llm.set_latency(0)
+    turns = []
+    for number in range(p["repeats"]):
+        turn = {}
+        for step in ("served", "inprocess") if number % 2 == 0 else ("inprocess", "served"):
+            if step == "inprocess":
+                turn["inprocess"] = {runtime: measure_inprocess(ctx, runtime, p) for runtime in ctx.runtimes}
+                continue
+            for key, model in (("classify", "classify"), ("ensemble", "classify_and_describe")):
+                turn[key] = ctx.pa_accounted(model, p["limit_c"])
+                log(f"{model} c={p['limit_c']}: {turn[key]['throughput']:.1f}/s, p50 {turn[key]['p50_ms']:.1f} ms")
+        turns.append(turn)
+    # p50 at concurrency 1 (one request at a time: the latency a lone client sees), once per run.
+    latency_c1 = {}
+    for model in ("classify", "classify_and_describe"):
+        latency_c1[model] = ctx.pa(model, 1)
+        log(f"{model} c=1: p50 {latency_c1[model]['p50_ms']:.1f} ms")
+    return {"concurrency": p["limit_c"], "served_runtime": ctx.served_runtime, "turns": turns,
+            "latency_c1": latency_c1}
 
 
-def run_inprocess(ctx, p):
-    command = [sys.executable, "-m", "tools.bench.inprocess", *map(str, ctx.jpeg_paths),
-               "--model-dir", str(ctx.triton.repository / "classifier"), "--batch-sizes", p["inproc_batches"],
-               "--duration-s", str(p["inproc_s"]), "--threads", str(ctx.torch_threads)]
-    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
-    result["e2e"] = {int(k): v for k, v in result["e2e"].items()}
-    result["forward"] = {int(k): v for k, v in result["forward"].items()}
+def measure_inprocess(ctx, runtime, p):
+    batches = [b for b in p["inproc_batches"] if b <= ctx.policy_max_batch] or [1]
+    result = inprocess.measure(runtime, ctx.triton.repository, ctx.jpeg_paths, ctx.layouts, batches,
+                               p["inproc_s"])
+    log(f"in-process {runtime}: " + ", ".join(
+        f"{row['name']} " + "/".join(f"{row['e2e'][b]:.1f}" for b in batches) for row in result["layouts"])
+        + f" img/s at batch {'/'.join(map(str, batches))}; best {result['best']['layout']} "
+        f"batch {result['best']['batch']}")
     return result
 
 
@@ -239,7 +254,7 @@ def classifier_config(shipped, batching=True, delay_us=None, preferred=None, thr
         del config.dynamic_batching.preferred_batch_size[:]
         config.dynamic_batching.preferred_batch_size.extend(preferred)
     if threads is not None:
-        config.parameters["torch_num_threads"].string_value = str(threads)
+        config.parameters[thread_parameter(config)].string_value = str(threads)
     if instances is not None:
         for group in config.instance_group:
             group.count = instances
@@ -251,11 +266,21 @@ def classifier_instances(config):
 
 
 def classifier_threads(config):
-    return int(config.parameters["torch_num_threads"].string_value or 1)
+    key = thread_parameter(config)
+    # `in` first: reading a missing key of a protobuf map would add it, and a backend refuses unknown parameters.
+    return int(config.parameters[key].string_value or 1) if key in config.parameters else 1
+
+
+# The per-instance thread count parameter of each classifier backend.
+THREAD_PARAMETERS = {"torchscript_classifier": "torch_num_threads", "onnx_classifier": "intra_op_threads"}
+
+
+def thread_parameter(config):
+    return THREAD_PARAMETERS[config.backend]
 
 
 def describe_classifier_config(config):
-    """'dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 torch thread(s)'."""
+    """'dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 thread(s)'."""
     if config.HasField("dynamic_batching"):
         batching = config.dynamic_batching
         preferred = ", ".join(map(str, batching.preferred_batch_size)) or "any"
@@ -263,7 +288,7 @@ def describe_classifier_config(config):
                   f"delay {batching.max_queue_delay_microseconds / 1000:g} ms")
     else:
         policy = "no dynamic batching"
-    return f"{policy}, {classifier_instances(config)} instance(s) x {classifier_threads(config)} torch thread(s)"
+    return f"{policy}, {classifier_instances(config)} instance(s) x {classifier_threads(config)} thread(s)"
 
 
 def measure_tuning(ctx, p):
@@ -301,6 +326,26 @@ def measure_tuning(ctx, p):
     return rows
 
 
+def measure_accuracy(ctx, p):
+    """int8 against fp32: top-1 agreement and top-5 overlap on random crops of photos the int8
+    calibration never saw, at each crop-size range tools/classifier_accuracy.py measures (its
+    int8_vs_fp32, run here so the figure belongs to this run); None when the build has no int8 graph."""
+    if not {"onnx_fp32", "onnx_int8"} <= set(ctx.runtimes):
+        return None
+    try:
+        from tools import classifier_accuracy
+    except ImportError as exc:
+        return {"error": f"tools/classifier_accuracy.py is not in this build ({exc})"}
+    sets = []
+    for min_area in classifier_accuracy.MIN_AREAS:
+        measured = classifier_accuracy.int8_vs_fp32(p["accuracy_crops"], min_area)
+        sets.append({key: measured[key] for key in ("crops", "min_crop_area", "seed", "top1_agreement",
+                                                      "top5_overlap", "photos")})
+        log(f"int8 vs fp32 on {measured['crops']} crops (min area {min_area}): top-1 agreement "
+            f"{measured['top1_agreement']:.3f}, top-5 overlap {measured['top5_overlap']:.3f}")
+    return {"sets": sets}
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 class Context:
@@ -322,6 +367,66 @@ class Context:
         self.commands.add(re.sub(r"-f \S+", "-f result.csv", command))
         return result
 
+    def pa_accounted(self, model, concurrency):
+        """A perf_analyzer run with the CPU it cost, per request, by process: tritonserver, each
+        model's stubs, the fake upstream, perf_analyzer (the load generator) and the whole machine.
+        Requests are those Triton counted for `model` over the run, warm-up windows included, as
+        the CPU is."""
+        before = harness.cpu_seconds(self.triton.process.pid, self.llm.process.pid)
+        children_before, stats_before = harness.children_cpu_seconds(), self.triton.stats()
+        result = self.pa(model, concurrency)
+        after = harness.cpu_seconds(self.triton.process.pid, self.llm.process.pid)
+        after["load generator"] = harness.children_cpu_seconds() - children_before
+        before["load generator"] = 0.0
+        result["stats"] = harness.stats_delta(stats_before, self.triton.stats())
+        requests = result["stats"].get(model, {}).get("count", 0)
+        result["requests"] = requests
+        result["cpu_ms_per_request"] = {where: (after[where] - before.get(where, 0.0)) * 1e3 / max(1, requests)
+                                        for where in after}
+        return result
+
+
+# "Today's" figures the p50 target compares with: the results file of a run on the build
+# before the ONNX runtime (TorchScript classifier, float32 pixels between the steps).
+BASELINE = REPO / "docs/results/bench-2026-11-30-torchscript-quick.json"
+
+
+def default_paths(mode):
+    """(report, plots, results): full mode writes the committed ones."""
+    if mode == "full":
+        return REPO / "docs/benchmarks.md", REPO / "docs/plots", REPO / "docs/results/bench.json"
+    folder = REPO / f"build/bench/{mode}"
+    return folder / "benchmarks.md", folder / "plots", folder / "results.json"
+
+
+def baseline_summary(path):
+    """What the targets need from an earlier run's results file, with where it came from."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return {"file": _display_path(path), "missing": True}
+    earlier = json.loads(path.read_text())
+    latency = earlier.get("limits", {}).get("latency_c1", {})
+    return {"file": _display_path(path), "date": earlier["meta"]["date"], "commit": earlier["meta"]["commit"],
+            "mode": earlier["meta"]["mode"], "load_before": earlier["meta"].get("load_before"),
+            "p50_c1_ms": {model: run["p50_ms"] for model, run in latency.items()}}
+
+
+def _display_path(path):
+    path = pathlib.Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def measure_sections(ctx):
+    out = {}
+    for module in sections.modules():
+        try:
+            out[module.NAME] = module.measure(ctx)
+        except Exception as exc:  # noqa: BLE001 - one section's failure is reported, not the run's
+            log(f"section {module.NAME} failed: {exc}")
+            out[module.NAME] = {"error": f"{type(exc).__name__}: {exc}"}
+        ctx.llm.set_latency(0)
+    return out
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,32 +434,29 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, help="the report (default: docs/benchmarks.md for full, "
                         "build/bench/<mode>/benchmarks.md otherwise)")
     parser.add_argument("--plots", type=pathlib.Path, help="plot folder (default: docs/plots for full)")
-    parser.add_argument("--results", type=pathlib.Path, help="also write the raw results as JSON here")
+    parser.add_argument("--results", type=pathlib.Path, help="the run's results file, which the report is "
+                        "generated from (default: docs/results/bench.json for full, build/bench/<mode>/ otherwise)")
+    parser.add_argument("--baseline", type=pathlib.Path, default=BASELINE,
+                        help="an earlier run's results file: 'today's' p50 at concurrency 1 for the targets")
     parser.add_argument("--keep-workdir", action="store_true")
-    parser.add_argument("--render", type=pathlib.Path, metavar="RESULTS_JSON",
-                        help="measure nothing: write the report and plots again from a run's --results file")
     args = parser.parse_args(argv)
-    if args.render:
-        results = json.loads(args.render.read_text())
-        _int_keys(results)
-        mode = results["meta"]["mode"]
-        out = args.out or (REPO / "docs/benchmarks.md" if mode == "full" else REPO / f"build/bench/{mode}/benchmarks.md")
-        print(report.write(results, out, args.plots or (REPO / "docs/plots" if mode == "full" else out.parent / "plots")))
-        return
     if not harness.PERF_ANALYZER.exists():
         sys.exit(f"bench: {harness.PERF_ANALYZER} is missing; run `make perf-analyzer`")
 
     mode, params = args.mode, MODES[args.mode]
-    out = args.out or (REPO / "docs/benchmarks.md" if mode == "full" else REPO / f"build/bench/{mode}/benchmarks.md")
-    plots = args.plots or (REPO / "docs/plots" if mode == "full" else out.parent / "plots")
+    default_out, default_plots, default_results = default_paths(mode)
+    out, plots, results_path = args.out or default_out, args.plots or default_plots, args.results or default_results
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{mode}_"))
     ctx = Context(mode, workdir, params)
     started = time.monotonic()
     meta = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine(), "commit": git_commit(), "load_before": harness.load_average(),
-            "other_servers": other_tritonservers(), "params": params,
-            "command": {"full": "make bench", "quick": "make bench-quick"}.get(mode,
-                                                                               f"tools/bench/run.py --mode {mode}")}
+            "machine": machine(), "cores": os.cpu_count(), "commit": git_commit(),
+            "load_before": harness.load_average(), "other_servers": other_tritonservers(), "params": params,
+            "command": {"full": "make bench", "quick": "make bench-quick"}.get(
+                mode, f"python -m tools.bench.run --mode {mode}"),
+            "results_file": _display_path(results_path), "report_file": _display_path(out),
+            "versions": {name: report.version(name) for name in ("TRITON_VERSION", "PERF_ANALYZER_TRITONCLIENT_VERSION",
+                                                                  "TORCH_VERSION")}}
     log(f"mode {mode}, work dir {workdir}, load average {meta['load_before'][0]:.1f}, "
         f"{meta['other_servers']} other tritonserver(s) running")
     jpegs = inputs.photo_jpegs()
@@ -366,30 +468,33 @@ def main(argv=None):
         ctx.jpeg_paths.append(path)
     ctx.prompts = inputs.prompts(100_000)
     ctx.input_data = inputs.write_input_data(workdir, jpegs)
-    ctx.torch_threads = 2
+    ctx.layouts = inprocess.default_layouts()
 
     ctx.llm = harness.FakeLLM(workdir)
     ctx.triton = None
-    results = {"meta": meta}
+    results = {"meta": meta, "baseline": baseline_summary(args.baseline)}
     try:
         # The backend's own LLM cache is switched off, and every request carries a
         # distinct prompt: each request is one real upstream call.
         ctx.triton = harness.Triton(workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
         meta["server_startup_s"] = ctx.triton.startup_s
         shipped_config = model_config.read(ctx.triton.repository / "classifier/config.pbtxt")
-        # The in-process baseline gets as many torch threads as all classifier
-        # instances use together: the same compute, spent in one process.
-        ctx.torch_threads = classifier_threads(shipped_config) * classifier_instances(shipped_config)
-        meta["torch_threads"] = ctx.torch_threads
         meta["classifier_config"] = describe_classifier_config(shipped_config)
-        meta["policy_max_batch"] = max(shipped_config.dynamic_batching.preferred_batch_size, default=1)
-        log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}")
-        results["classification"] = measure_classification(ctx, params)
+        ctx.policy_max_batch = max(shipped_config.dynamic_batching.preferred_batch_size, default=1)
+        meta["policy_max_batch"] = ctx.policy_max_batch
+        ctx.served_runtime = inprocess.served_runtime(ctx.triton.repository)
+        ctx.runtimes = inprocess.available_runtimes(ctx.triton.repository)
+        meta["layouts"] = [f"{processes}x{threads}" for processes, threads in ctx.layouts]
+        log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}; classifier runtime "
+            f"{ctx.served_runtime}; in-process runtimes {', '.join(ctx.runtimes)}")
+        results["limits"] = measure_limits(ctx, params)
         results["hiding"] = measure_latency_hiding(ctx, params)
         results["describe"] = measure_describe_overhead(ctx, params)
         results["patterns"] = measure_patterns(ctx, params)
         results["sweeps"] = measure_sweeps(ctx, params)
         results["tuning"] = measure_tuning(ctx, params) if params["tuning"] else []
+        results["accuracy"] = measure_accuracy(ctx, params)
+        results["sections"] = measure_sections(ctx)
     finally:
         if ctx.triton is not None:
             ctx.triton.stop()
@@ -398,24 +503,14 @@ def main(argv=None):
     meta["duration_s"] = time.monotonic() - started
     meta["perf_analyzer_commands"] = sorted(ctx.commands)
 
-    if args.results:
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1, default=str))
-    headline = report.write(results, out, plots)
-    print(headline)
-    log(f"report {out.relative_to(REPO) if out.is_relative_to(REPO) else out}, plots in {plots}, "
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    # The report is written from the file just saved, as `python -m tools.bench.report` would.
+    print(report.write(report.load(results_path), out, plots))
+    log(f"results {meta['results_file']}, report {meta['report_file']}, plots in {_display_path(plots)}, "
         f"{meta['duration_s']:.0f}s in all")
     if not args.keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _int_keys(results):
-    """JSON turned the integer keys (batch sizes, concurrencies) into strings."""
-    for pair in results.get("classification", []):
-        for key in ("e2e", "forward"):
-            pair["inprocess"][key] = {int(k): v for k, v in pair["inprocess"][key].items()}
-    for row in results.get("tuning", []):
-        row["results"] = {int(k): v for k, v in row["results"].items()}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""Triton adapter for ort_classifier.py: PIXELS -> LABELS (top-k class names), SCORES (probabilities).
+
+Owns the tensor names and every pb_utils call. All requests of a dynamic batch go through
+one session run; a request with unusable pixels fails alone.
+"""
+
+import json
+import os
+import traceback
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from ort_classifier import ConfigError, OnnxClassifier, parse_settings
+
+INPUT_NAME = "PIXELS"
+LABELS_NAME = "LABELS"
+SCORES_NAME = "SCORES"
+
+
+def config_parameters(model_config):
+    """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
+    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_name = args["model_name"]
+        self.log = _Log(self.model_name)
+        model_config = json.loads(args["model_config"])
+        try:
+            self.classifier, model_file = self._load(args, model_config)
+        except ConfigError as error:
+            raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
+        self.log.info(f"ready: {model_file}, top {self.classifier.top_k}, "
+                      f"{self.classifier.intra_op_threads} onnxruntime thread(s)")
+
+    def _load(self, args, model_config):
+        settings = parse_settings(config_parameters(model_config))
+        if args.get("model_instance_kind") == "GPU":
+            raise ConfigError("this backend runs on the CPU; on a GPU serve the same file with Triton's onnxruntime "
+                              "backend (configs/gpu.pbtxt, scripts/make_gpu_config.py)")
+        pixels_config = pb_utils.get_input_config_by_name(model_config, INPUT_NAME)
+        labels_config = pb_utils.get_output_config_by_name(model_config, LABELS_NAME)
+        scores_config = pb_utils.get_output_config_by_name(model_config, SCORES_NAME)
+        if pixels_config is None or labels_config is None or scores_config is None:
+            raise ConfigError(f"config.pbtxt needs input {INPUT_NAME} and outputs {LABELS_NAME}, {SCORES_NAME}")
+        input_shape = list(pixels_config["dims"])
+        if any(d <= 0 for d in input_shape):
+            raise ConfigError(f"input {INPUT_NAME} needs fixed dims for the load-time check, got {input_shape}")
+        if labels_config["dims"] != scores_config["dims"] or len(labels_config["dims"]) != 1 or labels_config["dims"][0] <= 0:
+            raise ConfigError(f"outputs {LABELS_NAME} and {SCORES_NAME} must both have dims [k], k > 0 (the graph's k)")
+        self.input_dtype = pb_utils.triton_string_to_numpy(pixels_config["data_type"])
+        self.scores_dtype = pb_utils.triton_string_to_numpy(scores_config["data_type"])
+
+        # In the Python backend "model_repository" is this model's own folder
+        # (model_repository/<name>), and pb_utils.get_model_dir() does not exist in 2.51.
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        classifier = OnnxClassifier(
+            os.path.join(version_dir, settings.model_file), INPUT_NAME, input_shape, self.input_dtype,
+            SCORES_NAME, LABELS_NAME, labels_config["dims"][0], settings.intra_op_threads,
+        )
+        return classifier, settings.model_file
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        batches = []  # (request index, pixels) of the requests that can run
+        for index, request in enumerate(requests):
+            pixels = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
+            if pixels.dtype.kind == "f" and not np.isfinite(pixels).all():
+                responses[index] = _error_response(f"{INPUT_NAME} holds NaN or infinite values", pb_utils.TritonError.INVALID_ARG)
+            else:
+                batches.append((index, pixels))
+
+        if batches:
+            try:
+                pixels = np.concatenate([pixels for _, pixels in batches]).astype(self.input_dtype, copy=False)
+                labels, scores = self.classifier.classify(pixels)
+            except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
+                self.log.error(f"inference failed:\n{traceback.format_exc()}")
+                internal = "internal error in the classifier"
+                for index, _ in batches:
+                    responses[index] = _error_response(internal, pb_utils.TritonError.INTERNAL)
+                return responses
+            start = 0
+            for index, pixels in batches:
+                end = start + len(pixels)
+                responses[index] = pb_utils.InferenceResponse(output_tensors=[
+                    pb_utils.Tensor(LABELS_NAME, labels[start:end]),
+                    pb_utils.Tensor(SCORES_NAME, scores[start:end].astype(self.scores_dtype, copy=False)),
+                ])
+                start = end
+        return responses
+
+    def finalize(self):
+        self.log.info("unloaded")
+
+
+def _error_response(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+class _Log:
+    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
+
+    def __init__(self, model_name):
+        self.prefix = f"[{model_name}] "
+
+    def info(self, message):
+        pb_utils.Logger.log_info(self.prefix + message)
+
+    def warn(self, message):
+        pb_utils.Logger.log_warn(self.prefix + message)
+
+    def error(self, message):
+        pb_utils.Logger.log_error(self.prefix + message)

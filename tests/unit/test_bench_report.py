@@ -1,0 +1,192 @@
+"""The benchmark report is generated from one results file alone: the targets
+are computed from it (medians of per-turn ratios, the p50 against the named
+baseline file, int8 agreement when measured), the same file always renders the
+same report, a changed figure changes the report, and sections from other
+modules plug in through tools/bench/sections.py.
+
+data/bench_results_smoke.json is a real results file of
+`python -m tools.bench.run --mode smoke`; regenerate it when the format changes."""
+
+import copy
+import json
+import pathlib
+import re
+import sys
+import types
+
+import pytest
+
+from tools.bench import inprocess, report, sections
+
+FIXTURE = pathlib.Path(__file__).parent / "data/bench_results_smoke.json"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def results():
+    return report.load(FIXTURE)
+
+
+def target(rows, starts):
+    matches = [row for row in rows if row.name.startswith(starts)]
+    assert len(matches) == 1, [row.name for row in rows]
+    return matches[0]
+
+
+def set_turns(results, figures):
+    """Give figure 1 one turn per (classify, ensemble, PyTorch limit) triple."""
+    template = results["limits"]["turns"][0]
+    results["limits"]["turns"] = []
+    for classify, ensemble, pytorch in figures:
+        turn = copy.deepcopy(template)
+        turn["classify"]["throughput"], turn["ensemble"]["throughput"] = classify, ensemble
+        turn["inprocess"]["torchscript"]["best"]["throughput"] = pytorch
+        results["limits"]["turns"].append(turn)
+
+
+def test_throughput_targets_are_medians_of_the_per_turn_ratios(results):
+    set_turns(results, [(60.0, 57.0, 40.0), (50.0, 40.0, 20.0), (70.0, 70.0, 70.0)])
+    rows = report.targets(results)
+    # ensemble / PyTorch per turn: 1.425, 2.0, 1.0 -> median 1.425, under 1.5
+    assert target(rows, "ensemble throughput (LLM 0 ms) / in-process PyTorch").measured == pytest.approx(1.425)
+    assert not target(rows, "ensemble throughput (LLM 0 ms) / in-process PyTorch").met
+    # the server runs TorchScript here, so classify is held against the same limit: 1.5, 2.5, 1.0
+    assert target(rows, "`classify` throughput / in-process limit").measured == pytest.approx(1.5)
+    # ensemble / classify: 0.95, 0.8, 1.0 -> 0.95, met
+    row = target(rows, "ensemble (LLM 0 ms) / `classify`")
+    assert row.measured == pytest.approx(0.95) and row.met
+
+
+def test_classify_is_held_against_the_runtime_the_server_runs(results):
+    set_turns(results, [(60.0, 57.0, 40.0)])
+    turn = results["limits"]["turns"][0]
+    faster = copy.deepcopy(turn["inprocess"]["torchscript"])
+    faster.update(runtime="onnx_fp32", description="ONNX Runtime fp32")
+    faster["best"]["throughput"] = 80.0
+    turn["inprocess"]["onnx_fp32"] = faster
+    results["limits"]["served_runtime"] = "onnx_fp32"
+    rows = report.targets(results)
+    assert target(rows, "`classify` throughput / in-process limit of its own runtime (ONNX Runtime fp32)"
+                  ).measured == pytest.approx(0.75)
+    # the 1.5x target stays against PyTorch
+    assert target(rows, "ensemble throughput (LLM 0 ms) / in-process PyTorch").measured == pytest.approx(57 / 40)
+
+
+def test_p50_at_concurrency_1_is_held_against_the_named_baseline_file(results):
+    results["limits"]["latency_c1"]["classify"]["p50_ms"] = 14.0
+    results["baseline"] = {"file": "docs/results/earlier.json", "date": "d", "commit": "c", "mode": "quick",
+                           "p50_c1_ms": {"classify": 20.0}}
+    rows = report.targets(results)
+    row = target(rows, "p50 at concurrency 1, `classify`")
+    assert row.measured == pytest.approx(0.7) and row.met and "docs/results/earlier.json" in row.name
+    results["limits"]["latency_c1"]["classify"]["p50_ms"] = 14.2
+    assert not target(report.targets(results), "p50 at concurrency 1, `classify`").met
+    # A figure the baseline lacks is not measured, and not met.
+    row = target(rows, "p50 at concurrency 1, ensemble")
+    assert row.measured is None and not row.met
+
+
+def test_int8_agreement_comes_from_the_results_or_is_not_met(results):
+    results.pop("accuracy", None)
+    assert not target(report.targets(results), "int8 top-1 agreement").met
+    crops = {"crops": 600, "min_crop_area": 0.25, "top1_agreement": 0.995, "top5_overlap": 0.98}
+    results["accuracy"] = {"sets": [crops, dict(crops, min_crop_area=0.08, top1_agreement=0.991)]}
+    row = target(report.targets(results), "int8 top-1 agreement")
+    assert row.met and row.measured == 0.991 and "99.1 % of 600 crops of at least 8 % of a photo" in row.detail
+    results["accuracy"]["sets"][1]["top1_agreement"] = 0.985  # the lowest set decides
+    assert not target(report.targets(results), "int8 top-1 agreement").met
+    results["accuracy"] = {"error": "tools/classifier_accuracy.py is not in this build"}
+    row = target(report.targets(results), "int8 top-1 agreement")
+    assert not row.met and row.measured is None and "not in this build" in row.detail
+
+
+def test_the_report_is_regenerated_from_the_file_alone(tmp_path):
+    first = tmp_path / "a/benchmarks.md"
+    report.main([str(FIXTURE), "--out", str(first)])
+    text = first.read_text()
+    report.main([str(FIXTURE), "--out", str(first)])
+    assert first.read_text() == text
+    assert (tmp_path / "a/plots/sweep_classify.png").is_file()
+    assert "## Targets" in text and "### CPU per request, by process" in text
+    # It names the file it was generated from (where the file is now, not where the run wrote it).
+    assert text.startswith("# Benchmarks\n\nGenerated from `tests/unit/data/bench_results_smoke.json`")
+
+    # A figure changed in the file changes the report.
+    changed = json.loads(FIXTURE.read_text())
+    changed["limits"]["turns"][0]["classify"]["throughput"] = 12345.6
+    path = tmp_path / "changed.json"
+    path.write_text(json.dumps(changed))
+    report.main([str(path), "--out", str(tmp_path / "c/benchmarks.md")])
+    assert "12,345.6" in (tmp_path / "c/benchmarks.md").read_text()
+    assert "12,345.6" not in text
+
+
+def test_an_extra_section_plugs_in(results, tmp_path, monkeypatch):
+    module = types.ModuleType("bench_section_for_test")
+    module.NAME, module.TITLE = "for_test", "A section from another module"
+    module.render = lambda section: ["## A section from another module", "", f"It measured {section['value']} things."]
+    module.targets = lambda section: [report.Target("things measured", section["value"], 3.0)]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(sections, "SECTIONS", (module.__name__,))
+    results["sections"] = {"for_test": {"value": 4.0}}
+    report.write(results, tmp_path / "benchmarks.md", tmp_path / "plots")
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "## A section from another module\n\nIt measured 4.0 things." in text
+    assert "| things measured | 4.00 | >= 3.00 | met |" in text
+
+    results["sections"] = {"for_test": {"error": "RuntimeError: no server"}}
+    report.write(results, tmp_path / "benchmarks.md", tmp_path / "plots")
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "Not measured: the section failed (RuntimeError: no server)" in text
+    assert "things measured" not in text
+
+
+def test_in_process_layouts_spend_every_core_one_way_or_the_other():
+    assert inprocess.default_layouts(2) == [(1, 2), (2, 1)]
+    assert inprocess.default_layouts(1) == [(1, 1)]
+    assert inprocess.parse_layouts("1x4,4x1,2x2") == [(1, 4), (4, 1), (2, 2)]
+
+
+def test_the_served_runtime_is_read_from_the_classifier_config():
+    runtime = inprocess.served_runtime(REPO / "model_repository")
+    assert runtime in inprocess.RUNTIMES
+
+
+def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch):
+    from tools.bench import run
+
+    def broken(ctx):
+        raise RuntimeError("no such model")
+
+    good = types.SimpleNamespace(NAME="good", measure=lambda ctx: {"value": 1})
+    bad = types.SimpleNamespace(NAME="bad", measure=broken)
+    monkeypatch.setattr(sections, "modules", lambda: [bad, good])
+    latencies = []
+    ctx = types.SimpleNamespace(llm=types.SimpleNamespace(set_latency=latencies.append))
+    assert run.measure_sections(ctx) == {"bad": {"error": "RuntimeError: no such model"}, "good": {"value": 1}}
+    assert latencies == [0, 0]  # the fake LLM is left at 0 ms after each
+
+
+def test_a_worker_that_dies_fails_the_measurement_quickly(tmp_path):
+    # A repository without a classifier model: every worker fails to load and says why.
+    with pytest.raises(RuntimeError, match="in-process torchscript 2x1"):
+        inprocess.measure_layout("torchscript", tmp_path, [], 2, 1, [1], 0.1)
+
+
+def test_the_committed_report_is_what_its_results_file_generates(tmp_path):
+    """docs/benchmarks.md is never edited by hand: it is exactly what the results file it names renders."""
+    committed = (REPO / "docs/benchmarks.md").read_text()
+    source = committed.split("`", 2)[1]  # "Generated from `docs/results/....json`, ..."
+    assert source.startswith("docs/results/") and (REPO / source).is_file(), source
+    out = tmp_path / "benchmarks.md"
+    report.write(report.load(REPO / source), out, tmp_path / "plots")
+    assert out.read_text().replace(f"--out {out}", "--out docs/benchmarks.md") == committed
+
+
+def test_every_results_file_the_readme_names_is_committed():
+    readme = (REPO / "README.md").read_text()
+    named = set(re.findall(r"docs/results/[\w.-]+\.json", readme))
+    assert named, "the README's benchmark figures name their results file"
+    # docs/results/bench.json is where `make bench` writes; the README names it as that, not as a source.
+    for path in named - {"docs/results/bench.json"}:
+        assert (REPO / path).is_file(), path
