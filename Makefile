@@ -1,6 +1,6 @@
 # Triton model package: image classification + LLM description.
 #   make build   venv, Triton server, backend directory, model artifacts
-#   make run     serve model_repository/ natively on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
+#   make run     serve model_repository/ natively on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002, OpenAI 8003)
 #   make demo    start the server, classify and describe docs/sample/coffee.png, stop it
 #   make test    build, then unit + integration tests against a real server
 # Every version comes from versions.env.
@@ -30,6 +30,7 @@ PERF_DIR   := $(BUILD)/perf_analyzer
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT  ?= 8003
 IMAGE_NAME   ?= triton-classify-describe:latest
 
 # Stamps make `make build` quick when nothing changed.
@@ -93,7 +94,7 @@ $(GPU_CONFIG): scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt | $(VENV_ST
 	$(PY) scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt $@
 
 run: build
-	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
 
 # A first answer: scripts/serve.sh on 127.0.0.1, one request with the sample
 # photo through the repository's client, then the server stopped by its PID.
