@@ -105,12 +105,18 @@ async def _fetch_image(app, url):
         async with app[FETCHER].get(url, allow_redirects=False) as response:
             if response.status != 200:
                 raise invalid(f"fetching the image URL answered HTTP {response.status}")
-            data = await response.content.read(limit + 1)
+            data = bytearray()
+            # read(n) returns what has arrived, up to n bytes: loop to the end or past the limit.
+            while len(data) <= limit:
+                chunk = await response.content.read(limit + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
     except (aiohttp.ClientError, asyncio.TimeoutError) as error:
         raise invalid(f"fetching the image URL failed ({type(error).__name__})") from None
     if len(data) > limit:
         raise too_large(f"the image at the URL is more than the {limit} bytes allowed")
-    return data
+    return bytes(data)
 
 
 def _model(settings, model_id):
