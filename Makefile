@@ -43,6 +43,7 @@ BACKEND_STAMP := $(BACKEND_DIR)/.linked
 help:
 	@echo "make build          venv + Triton $(TRITON_VERSION) + backends + model artifacts"
 	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
+	@echo "                    and the OpenAI-compatible front beside it (OPENAI_PORT=$(OPENAI_PORT))"
 	@echo "                    on 127.0.0.1; LISTEN_ADDRESS=0.0.0.0 exposes it. Load/unload, shared memory, logging"
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
@@ -127,8 +128,8 @@ docker-build:
 
 docker-run:
 	docker run --rm --gpus all --shm-size=1g \
-	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 \
-	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY $(IMAGE_NAME)
+	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 -p $(OPENAI_PORT):8003 \
+	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY -e OPENAI_FRONT_API_KEY $(IMAGE_NAME)
 
 clean:
 	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(GPU_CONFIG)
