@@ -536,3 +536,29 @@ def test_metrics_count_answers_errors_tokens_and_latency(front, photos):
             > metric(before, "openai_front_tokens_total", model=MODEL, kind="completion"))
     assert metric(after, "openai_front_request_duration_seconds_count", model=MODEL, stream="false") >= 1
     assert "no-such-model" not in after
+
+
+# -- the README's examples run as written ---------------------------------------
+
+README = (REPO / "README.md").read_text()
+README_PYTHON = [b for b in re.findall(r"```python\n(.*?)```", README, flags=re.S) if "127.0.0.1:8003" in b]
+README_CURL = [b for b in re.findall(r"```bash\n(.*?)```", README, flags=re.S) if "127.0.0.1:8003/v1/chat" in b]
+
+
+def test_the_readme_python_example_runs(front, photos, tmp_path):
+    (example,) = README_PYTHON
+    assert len(example.strip().splitlines()) <= 6, "the README promises a short example"
+    (tmp_path / "photo.jpg").write_bytes(photos["chelsea"])
+    run = subprocess.run([sys.executable, "-c", example.replace("http://127.0.0.1:8003/v1", front)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Fake answer #" in run.stdout and "total_tokens=" in run.stdout
+    assert any(label in run.stdout for label in CAT_CLASSES)
+
+
+def test_the_readme_curl_example_runs(front):
+    (example,) = README_CURL
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", example.replace("127.0.0.1:8003", front.removeprefix("http://").removesuffix("/v1"))],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["classify_describe"]["labels"][0] == "espresso"
