@@ -82,13 +82,13 @@ class FakeLLM:
     """tools/fake_openai as its own process, listening when the constructor
     returns; driven through its admin API (mode, latency, stats, reset)."""
 
-    def __init__(self, log_path, latency_ms=0.0, ready_timeout_s=30):
+    def __init__(self, log_path, latency_ms=0.0, ready_timeout_s=30, chunk_ms=0.0):
         self.port = free_port()
         self.log_path = pathlib.Path(log_path)
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "tools.fake_openai", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--latency-ms", str(latency_ms)],
+                 "--port", str(self.port), "--latency-ms", str(latency_ms), "--chunk-ms", str(chunk_ms)],
                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_listening(self.port, self.process, self.log_path, ready_timeout_s, "fake LLM")

@@ -15,12 +15,24 @@ class Usage:
     attempts: int = 0
     cached: bool = False
     fallback_reason: str = None
+    # Streams only (describe_stream), left out of the JSON otherwise: from the
+    # step receiving the request to the first text chunk sent, and the chunks sent.
+    time_to_first_token_ms: float = None
+    chunks: int = None
 
     def to_json(self):
         fields = asdict(self)
         fields["cost_usd"] = round(self.cost_usd, 9)
         fields["upstream_latency_ms"] = round(self.upstream_latency_ms, 1)
+        for name in STREAM_FIELDS:
+            if fields[name] is None:
+                del fields[name]
+        if self.time_to_first_token_ms is not None:
+            fields["time_to_first_token_ms"] = round(self.time_to_first_token_ms, 1)
         return json.dumps(fields, separators=(",", ":"))
+
+
+STREAM_FIELDS = ("time_to_first_token_ms", "chunks")
 
 
 def cost_usd(prompt_tokens, completion_tokens, price_input_per_million, price_output_per_million):

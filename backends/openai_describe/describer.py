@@ -47,12 +47,22 @@ class Job:
     timeout_s: float
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A successful upstream attempt: what it returned, and the circuit breaker
+    ticket it was let through with (a stream that fails later still reports)."""
+
+    value: object
+    breaker: CircuitBreaker
+    ticket: int
+
+
 @dataclass
 class Result:
     description: str
-    source: str   # "llm" or "fallback"
+    source: str   # "llm", "fallback", or "llm_partial" (a stream cut short)
     usage: Usage
-    outcome: str  # ok, retried, cached, fallback, error (on_failure=error)
+    outcome: str  # ok, retried, cached, fallback, partial, error (on_failure=error)
 
 
 class Observer:
@@ -74,7 +84,7 @@ class Describer:
         self.scrub = scrub
         self.observer = observer or Observer()
         self.log = log
-        self._clock = clock
+        self._clock = self.clock = clock
         self._rand = rand
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._in_flight = 0
@@ -86,26 +96,45 @@ class Describer:
 
     async def describe(self, job, is_cancelled=lambda: False):
         messages = build_messages(self.settings, job.labels, job.scores, job.prompt)
-        key = None
-        if self.cache is not None:
-            key = cache_key(job.model, job.temperature, job.max_tokens, messages)
-            text = self.cache.get(key)
-            self.observer.cache(text is not None)
-            if text is not None:
-                # Nothing was spent on this request: the USAGE sums stay the real bill.
-                return self._done(job, Result(text, "llm", Usage(job.model, cached=True), "cached"))
+        key, text = self.lookup(job, messages)
+        if text is not None:
+            # Nothing was spent on this request: the USAGE sums stay the real bill.
+            return self.done(job, Result(text, "llm", Usage(job.model, cached=True), "cached"))
         if self.client is None:
-            return self._fallback(job, Usage(job.model), "no_api_key")
+            return self.fallback(job, Usage(job.model), "no_api_key")
 
         usage = Usage(job.model)
         try:
-            return await self._attempts(job, messages, key, usage, is_cancelled)
+            answer = await self.attempts(job, usage, is_cancelled,
+                                         lambda timeout: self._complete(job, messages, usage, timeout, is_cancelled))
         except Cancelled:
             # No USAGE goes back, but what earlier attempts were billed still counts.
             self.observer.request_done(job.model, "cancelled", usage)
             raise
+        if isinstance(answer, str):
+            return self.fallback(job, usage, answer)
+        if key is not None:
+            self.cache.put(key, answer.value)
+        outcome = "ok" if usage.attempts == 1 else "retried"
+        return self.done(job, Result(answer.value, "llm", usage, outcome))
 
-    async def _attempts(self, job, messages, key, usage, is_cancelled):
+    def lookup(self, job, messages):
+        """(cache key or None, the cached answer or None)."""
+        if self.cache is None:
+            return None, None
+        key = cache_key(job.model, job.temperature, job.max_tokens, messages)
+        text = self.cache.get(key)
+        self.observer.cache(text is not None)
+        return key, text
+
+    async def attempts(self, job, usage, is_cancelled, attempt, keep_slot=False):
+        """Upstream attempts under the circuit breaker, the concurrency cap, the
+        request's deadline and the retry policy. `attempt(timeout)` makes one
+        (on a slot) and returns what it got or raises. Returns an Answer, or
+        the reason to fall back (a str); raises Cancelled.
+
+        keep_slot: a successful attempt keeps its slot (a stream still being
+        read); the caller gives it back with release_slot()."""
         breaker = self._breaker(job.model)
         deadline = self._clock() + self.settings.total_timeout_s
         while True:
@@ -113,14 +142,14 @@ class Describer:
                 raise Cancelled()
             ticket = breaker.allow()
             if ticket is None:
-                return self._fallback(job, usage, "circuit_open")
+                return "circuit_open"
             try:
                 await self._take_slot(deadline, is_cancelled)
             except TimeoutError:
                 # Our own queue under max_in_flight was too long: that says nothing
                 # about the upstream, so no verdict for the breaker and no latency.
                 breaker.release(ticket)
-                return self._fallback(job, usage, "local_queue_timeout")
+                return "local_queue_timeout"
             except Cancelled:
                 breaker.release(ticket)
                 raise
@@ -130,26 +159,24 @@ class Describer:
             timeout = max(0.001, min(job.timeout_s, deadline - self._clock()))
             started = self._clock()
             try:
-                response = await self._call(job, messages, timeout, is_cancelled)
-                self._bill(job, usage, response)  # an answer we cannot use is billed all the same
-                text = _answer_text(response)
+                value = await attempt(timeout)
             except Cancelled:
+                self.release_slot()
                 breaker.release(ticket)
                 raise
             except Exception as exc:  # every failure becomes a decision below, never a crash
-                failure = self._classify(exc)
+                failure = self.classify(exc)
             else:
                 failure = None
+            if failure is not None or not keep_slot:
+                self.release_slot()
             elapsed = self._clock() - started
             usage.upstream_latency_ms += elapsed * 1000.0
             self.observer.attempt_done(job.model, elapsed, failure.reason if failure else "ok")
 
             if failure is None:
                 breaker.record_success(ticket)
-                if key is not None:
-                    self.cache.put(key, text)
-                outcome = "ok" if usage.attempts == 1 else "retried"
-                return self._done(job, Result(text, "llm", usage, outcome))
+                return Answer(value, breaker, ticket)
 
             if failure.reason == "timeout" and timeout < job.timeout_s:
                 # An attempt cut short by our deadline had no fair chance: no verdict.
@@ -159,13 +186,13 @@ class Describer:
             else:
                 breaker.release(ticket)
             if not failure.retryable or usage.attempts >= self.settings.max_attempts:
-                return self._fallback(job, usage, failure.reason)
+                return failure.reason
             if failure.retry_after_s is not None and failure.retry_after_s > self.settings.max_retry_after_s:
-                return self._fallback(job, usage, failure.reason)
+                return failure.reason
             delay = backoff_delay(usage.attempts, self.settings.backoff_base_s, self.settings.backoff_max_s,
                                   failure.retry_after_s, self._rand)
             if self._clock() + delay >= deadline:
-                return self._fallback(job, usage, failure.reason)
+                return failure.reason
             await self._sleep(delay, is_cancelled)
 
     async def aclose(self):
@@ -176,37 +203,39 @@ class Describer:
 
     async def _take_slot(self, deadline, is_cancelled):
         """Wait for a slot under the concurrency cap (queueing, not failing)
-        until the request's deadline; TimeoutError if none came."""
+        until the request's deadline; TimeoutError if none came. The holder
+        gives it back with release_slot()."""
         self._queued += 1
         self.observer.queued(self._queued)
         try:
-            await self._wait(asyncio.ensure_future(self._slots.acquire()),
-                             deadline - self._clock(), is_cancelled)
+            await self.wait(asyncio.ensure_future(self._slots.acquire()),
+                            deadline - self._clock(), is_cancelled)
         finally:
             self._queued -= 1
             self.observer.queued(self._queued)
-
-    async def _call(self, job, messages, timeout, is_cancelled):
-        """One call on a slot from _take_slot, bounded by `timeout`; gives the
-        slot back."""
         self._in_flight += 1
         self.observer.in_flight(self._in_flight)
-        try:
-            # The SDK's generic post() with the typed ChatCompletion result: same
-            # auth, errors and parsing as chat.completions.create(), without its
-            # per-call TypedDict transform of the body (about 1 ms of CPU per call
-            # here, on the path of every request).
-            call = self.client.post(
-                "/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
-                body={"model": job.model, "messages": messages, "max_tokens": job.max_tokens,
-                      "temperature": job.temperature})
-            return await self._wait(asyncio.ensure_future(call), timeout, is_cancelled)
-        finally:
-            self._slots.release()
-            self._in_flight -= 1
-            self.observer.in_flight(self._in_flight)
 
-    async def _wait(self, task, timeout, is_cancelled):
+    def release_slot(self):
+        self._slots.release()
+        self._in_flight -= 1
+        self.observer.in_flight(self._in_flight)
+
+    async def _complete(self, job, messages, usage, timeout, is_cancelled):
+        """One chat completion, bounded by `timeout`: its answer's text."""
+        # The SDK's generic post() with the typed ChatCompletion result: same
+        # auth, errors and parsing as chat.completions.create(), without its
+        # per-call TypedDict transform of the body (about 1 ms of CPU per call
+        # here, on the path of every request).
+        call = self.client.post(
+            "/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
+            body={"model": job.model, "messages": messages, "max_tokens": job.max_tokens,
+                  "temperature": job.temperature})
+        response = await self.wait(asyncio.ensure_future(call), timeout, is_cancelled)
+        self.bill(job, usage, getattr(response, "usage", None))  # an answer we cannot use is billed all the same
+        return _answer_text(response)
+
+    async def wait(self, task, timeout, is_cancelled):
         """Await `task` for at most `timeout` seconds, checking for cancellation
         every cancel_poll_s; the task is cancelled if we stop waiting."""
         end = self._clock() + timeout
@@ -238,7 +267,7 @@ class Describer:
 
     # -- decisions and bookkeeping ---------------------------------------------------
 
-    def _classify(self, exc):
+    def classify(self, exc):
         if isinstance(exc, openai.APIStatusError):
             failure = classify_status(exc.status_code, exc.response.headers)
         elif isinstance(exc, (TimeoutError, openai.APIConnectionError)):
@@ -253,20 +282,21 @@ class Describer:
                                 f"{type(exc).__name__}: {self.scrub(exc)}")
         return failure
 
-    def _bill(self, job, usage, response):
-        prompt_tokens, completion_tokens = tokens_from(getattr(response, "usage", None))
+    def bill(self, job, usage, reported):
+        """Add what the upstream reported (an SDK usage object, or None) to `usage`."""
+        prompt_tokens, completion_tokens = tokens_from(reported)
         usage.prompt_tokens += prompt_tokens
         usage.completion_tokens += completion_tokens
         usage.total_tokens += prompt_tokens + completion_tokens
         usage.cost_usd += cost_usd(prompt_tokens, completion_tokens, *self.settings.prices_for(job.model))
 
-    def _fallback(self, job, usage, reason):
+    def fallback(self, job, usage, reason):
         usage.fallback_reason = reason
         if self.settings.on_failure == "error":
-            return self._done(job, Result("", "fallback", usage, "error"))
-        return self._done(job, Result(fallback_description(job.labels, job.scores), "fallback", usage, "fallback"))
+            return self.done(job, Result("", "fallback", usage, "error"))
+        return self.done(job, Result(fallback_description(job.labels, job.scores), "fallback", usage, "fallback"))
 
-    def _done(self, job, result):
+    def done(self, job, result):
         self.observer.request_done(job.model, result.outcome, result.usage)
         return result
 

@@ -8,7 +8,9 @@ import triton_python_backend_utils as pb_utils
 from describer import Observer
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
-OUTCOMES = ("ok", "retried", "cached", "fallback", "error", "cancelled", "invalid")
+# The streaming step's own delay before the labels go out: IPC and our loop, no network.
+LABELS_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1]
+OUTCOMES = ("ok", "retried", "cached", "fallback", "partial", "error", "cancelled", "invalid")
 CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
 
@@ -24,11 +26,11 @@ class Metrics(Observer):
 
     FLUSH_S = 0.25
 
-    def __init__(self, labels):
+    def __init__(self, labels, streams=False):
         self.labels = labels
         family = pb_utils.MetricFamily
         self.requests = family("describe_requests_total",
-                               "Describe requests by outcome (ok, retried, cached, fallback, error, "
+                               "Describe requests by outcome (ok, retried, cached, fallback, partial, error, "
                                "cancelled, invalid)", family.COUNTER)
         self.prompt_tokens = family("describe_prompt_tokens_total", "Prompt tokens billed upstream",
                                     family.COUNTER)
@@ -56,6 +58,34 @@ class Metrics(Observer):
         self._counts, self._gauges, self._observations = {}, {}, []
         for outcome in OUTCOMES:  # created up front, so every outcome shows from the start
             self._metric(self.requests, outcome=outcome)
+        if streams:
+            self._stream_metrics(family)
+
+    def _stream_metrics(self, family):
+        """The streaming model's own series (describe_stream); cancelled streams are
+        describe_requests_total{outcome="cancelled"}."""
+        times = [
+            family("describe_stream_time_to_labels_seconds",
+                   "From the streaming step receiving a request to its first response (LABELS, SCORES) sent",
+                   family.HISTOGRAM),
+            family("describe_stream_time_to_first_token_seconds",
+                   "From the streaming step receiving a request to the first text chunk sent", family.HISTOGRAM),
+            family("describe_stream_duration_seconds",
+                   "From the streaming step receiving a request to its last response sent", family.HISTOGRAM),
+        ]
+        chunks = family("describe_stream_chunks_total", "Text chunks sent by the streaming step", family.COUNTER)
+        self._families += times + [chunks]
+        self.time_to_labels = times[0].Metric(labels=self.labels, buckets=LABELS_BUCKETS_S)
+        self.time_to_first_token = times[1].Metric(labels=self.labels, buckets=LATENCY_BUCKETS_S)
+        self.stream_duration = times[2].Metric(labels=self.labels, buckets=LATENCY_BUCKETS_S)
+        self.chunks = chunks.Metric(labels=self.labels)
+
+    def stream_started(self):
+        return _StreamTimes(self)
+
+    def _observe(self, metric, value):
+        with self._lock:
+            self._observations.append((metric, value))
 
     def _metric(self, family, buckets=None, **extra):
         key = (id(family), tuple(sorted(extra.items())))
@@ -113,3 +143,24 @@ class Metrics(Observer):
 
     def cache(self, hit):
         self._add(self.cache_hit if hit else self.cache_miss, 1)
+
+
+class _StreamTimes:
+    """One stream's times, in seconds since the step received the request."""
+
+    def __init__(self, metrics):
+        self.metrics = metrics
+        self.chunks = 0
+
+    def labels(self, elapsed_s):
+        self.metrics._observe(self.metrics.time_to_labels, elapsed_s)
+
+    def chunk(self, elapsed_s):
+        if self.chunks == 0:
+            self.metrics._observe(self.metrics.time_to_first_token, elapsed_s)
+        self.chunks += 1
+
+    def done(self, elapsed_s):
+        self.metrics._observe(self.metrics.stream_duration, elapsed_s)
+        if self.chunks:
+            self.metrics._add(self.metrics.chunks, self.chunks)

@@ -2,17 +2,25 @@
 every pb_utils call but the metrics (metrics.py); the logic lives in the
 modules beside it.
 
-Non-decoupled on purpose (HTTP /infer and ensembles keep working), yet the
-instance never blocks on the network: execute() only validates and hands
-each request to an asyncio loop in its own thread, then returns None; that
-loop sends each request's single response through its response sender.
+Two ways to serve, chosen by the model's transaction policy:
+- not decoupled (`describe`): one response per request, so HTTP /infer and
+  the classify_and_describe ensemble work;
+- decoupled (`describe_stream`): a stream per request, LABELS and SCORES
+  first, then the description chunk by chunk as the LLM writes it, then
+  DESCRIPTION_SOURCE and USAGE with the final flag (streaming.py).
+Either way the instance never blocks on the network: execute() only
+validates and hands each request to an asyncio loop in its own thread, then
+returns None; that loop sends the responses through the response sender.
 """
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import json
 import math
 import os
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -23,9 +31,11 @@ from metrics import Metrics
 from prompting import PromptError, read_labels, read_prompt
 from scrubbing import Scrubber
 from settings import ConfigError, InvalidOverride, RequestModels, parse_settings
+from streaming import describe_stream
 
 # Without an API key a local endpoint still wants some bearer string.
 NO_KEY_PLACEHOLDER = "no-key-required"
+CLASSIFY_THREADS = 32
 
 
 class InvalidInput(ValueError):
@@ -37,12 +47,16 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.log = _Log(self.model_name)
         model_config = json.loads(args["model_config"])
+        self.decoupled = bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
         try:
-            if model_config.get("model_transaction_policy", {}).get("decoupled"):
+            if self.decoupled and model_config.get("max_batch_size") != 1:
                 raise ConfigError(
-                    "openai_describe is meant to be non-decoupled (one response per request, "
-                    "so HTTP /infer and ensembles work); remove model_transaction_policy.decoupled")
+                    "a decoupled (streaming) describe model streams one description per request: "
+                    "set max_batch_size: 1")
             self.settings = parse_settings(config_parameters(model_config), os.environ)
+            if self.settings.classify_model and not self.decoupled:
+                raise ConfigError("classify_model is for a streaming (decoupled) model; without streaming, "
+                                  "compose classify and describe in an ensemble (classify_and_describe)")
         except ConfigError as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
         s = self.settings
@@ -56,10 +70,15 @@ class TritonPythonModel:
             # Said once, at load: every request would otherwise repeat it.
             self.log.warn(NO_KEY_HELP.format(where=key_source, prefix=s.env_prefix))
 
-        self.metrics = Metrics({"model": self.model_name, "version": args["model_version"]})
+        self.metrics = Metrics({"model": self.model_name, "version": args["model_version"]}, streams=self.decoupled)
         self.closing = False
         self.tasks = set()
         self.loop = asyncio.new_event_loop()
+        if s.classify_model:
+            # BLS calls (async_exec) block one executor thread each until the photo is
+            # classified: enough threads to keep the classifier's batches full.
+            self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                max_workers=CLASSIFY_THREADS, thread_name_prefix=f"{self.model_name}-classify"))
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model_name}-llm", daemon=True)
         self.thread.start()
 
@@ -74,6 +93,7 @@ class TritonPythonModel:
             f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
             f"max_in_flight {s.max_in_flight}, timeout {s.timeout_s}s x {s.max_attempts} attempts, "
             f"cache {'on' if s.cache_enabled else 'off'}, on_failure {s.on_failure}"
+            + ("; streaming (decoupled)" if self.decoupled else "")
             + (f"; from environment: {', '.join(s.from_env)}" if s.from_env else ""))
 
     def execute(self, requests):
@@ -82,7 +102,8 @@ class TritonPythonModel:
             try:
                 if self.closing:
                     raise _Reject("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
-                accepted.append((request, self._jobs(request)))
+                work = self._photo_job(request) if self.settings.classify_model else self._jobs(request)
+                accepted.append((request, work, time.monotonic()))
             except (InvalidInput, PromptError, InvalidOverride) as exc:
                 self.metrics.request_done(None, "invalid", None)
                 self._send_error(request, str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -115,7 +136,7 @@ class TritonPythonModel:
             self.log.error(f"drain at unload failed: {self.scrub(exc)}")
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10.0)
-        self.loop.close()
+        self.loop.close()  # shuts the BLS executor down too
 
     # -- on the loop thread -----------------------------------------------------------
 
@@ -128,8 +149,12 @@ class TritonPythonModel:
                 self.log.error(f"metrics flush failed: {self.scrub(exc)}")
 
     def _start(self, accepted):
-        for request, jobs in accepted:
-            task = self.loop.create_task(self._respond(request, jobs))
+        for request, work, received in accepted:
+            if not self.decoupled:
+                task = self.loop.create_task(self._respond(request, work))
+            else:
+                task = self.loop.create_task(
+                    self._stream(request, work if isinstance(work, _PhotoJob) else work[0], received))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
@@ -168,6 +193,78 @@ class TritonPythonModel:
         except Exception as exc:
             self.log.error(f"could not send a response: {self.scrub(exc)}")
 
+    async def _stream(self, request, work, received):
+        """LABELS and SCORES first, then one response per chunk of the description
+        (DESCRIPTION), then DESCRIPTION_SOURCE and USAGE with the final flag.
+        An error before the labels (a photo the classifier refused) is the
+        stream's only response; one after them (cancelled, on_failure=error,
+        unloading, a bug) its last."""
+        sender = request.get_response_sender()
+        stats = self.metrics.stream_started()
+
+        def send(tensors, final=False):
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+
+        def emit(text):
+            send([_bytes_tensor("DESCRIPTION", [text])])
+            stats.chunk(time.monotonic() - received)
+
+        response = None
+        try:
+            if isinstance(work, _PhotoJob):
+                job = await self._classify(work, request.is_cancelled)
+            else:
+                job = work
+            send([pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
+                  pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))])
+            stats.labels(time.monotonic() - received)
+            result = await describe_stream(self.describer, job, emit, request.is_cancelled)
+            if result.outcome == "error":  # on_failure=error
+                response = _error_response(f"the LLM upstream could not answer ({result.usage.fallback_reason})",
+                                           pb_utils.TritonError.UNAVAILABLE)
+            else:
+                send([_bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
+                      _bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
+        except _Reject as exc:
+            if exc.code == pb_utils.TritonError.INVALID_ARG:
+                self.metrics.request_done(None, "invalid", None)
+            response = _error_response(str(exc), exc.code)
+        except Cancelled:  # counted by the describer, with what it had billed
+            response = _error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+        except asyncio.CancelledError:
+            response = _error_response("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
+        except Exception:  # a bug must cost one stream, not the instance
+            self.metrics.request_done(None, "error", None)
+            self.log.error(f"describe stream failed:\n{self.scrub(traceback.format_exc())}")
+            response = _error_response("internal error in the describe step", pb_utils.TritonError.INTERNAL)
+        finally:
+            stats.done(time.monotonic() - received)
+        if response is not None:
+            try:
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as exc:
+                self.log.error(f"could not send a response: {self.scrub(exc)}")
+
+    async def _classify(self, work, is_cancelled):
+        """LABELS and SCORES of the photo from classify_model (a BLS call on the
+        loop's executor threads), as a Job. Raises _Reject with the classifier's
+        own error (a photo that is not one: INVALID_ARG), Cancelled."""
+        bls = pb_utils.InferenceRequest(
+            model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
+            requested_output_names=["LABELS", "SCORES"])
+        response = await bls.async_exec()
+        if response.has_error():
+            error = response.error()
+            code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
+            raise _Reject(error.message(), code)
+        if is_cancelled():  # the client left while its photo was classified: no LLM call
+            self.metrics.request_done(None, "cancelled", None)
+            raise Cancelled()
+        labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
+        scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
+        return self._job(labels[0], scores[0], work.prompt, work.overrides)
+
     # -- on the model thread --------------------------------------------------------
 
     def _jobs(self, request):
@@ -180,26 +277,47 @@ class TritonPythonModel:
         if labels.shape != scores.shape or labels.ndim != 2 or labels.shape[1] == 0:
             raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
                                "must have the same non-empty shape")
-        params = json.loads(request.parameters() or "{}")
-        model, temperature, max_tokens, timeout_s = self.settings.resolve_overrides(params)
-        jobs = []
-        for row in range(labels.shape[0]):
-            row_scores = tuple(float(x) for x in scores[row])
-            if not all(math.isfinite(x) for x in row_scores):
-                raise InvalidInput("SCORES must be finite")
-            prompt = read_prompt(prompts[row].reshape(-1)[0] if prompts is not None else None,
-                                 self.settings.max_prompt_chars)
-            jobs.append(Job(
-                labels=read_labels(labels[row], self.settings), scores=row_scores,
-                prompt=prompt or self.settings.default_prompt,
-                model=model, temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s))
+        overrides = self._overrides(request)
+        jobs = [self._job(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
+                          overrides)
+                for row in range(labels.shape[0])]
         # Last, so that a request refused for another reason takes no place under the cap.
-        self.request_models.admit(model)
+        self.request_models.admit(overrides[0])
         return jobs
+
+    def _photo_job(self, request):
+        """A request to a model with classify_model (IMAGE, optional PROMPT): what
+        its Job needs besides the labels, checked now (INVALID_ARG as _jobs)."""
+        prompts = _input(request, "PROMPT")
+        prompt = prompts.reshape(-1)[0] if prompts is not None else None
+        read_prompt(prompt, self.settings.max_prompt_chars)
+        overrides = self._overrides(request)
+        self.request_models.admit(overrides[0])
+        return _PhotoJob(_input(request, "IMAGE"), prompt, overrides)
+
+    def _overrides(self, request):
+        return self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+
+    def _job(self, labels, scores, raw_prompt, overrides):
+        row_scores = tuple(float(x) for x in scores)
+        if not all(math.isfinite(x) for x in row_scores):
+            raise InvalidInput("SCORES must be finite")
+        prompt = read_prompt(raw_prompt, self.settings.max_prompt_chars)
+        model, temperature, max_tokens, timeout_s = overrides
+        return Job(labels=read_labels(labels, self.settings), scores=row_scores,
+                   prompt=prompt or self.settings.default_prompt,
+                   model=model, temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s)
 
     def _send_error(self, request, message, code):
         request.get_response_sender().send(
             _error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PhotoJob:
+    image: np.ndarray  # the IMAGE input, copied out of the request
+    prompt: object     # the raw PROMPT element, or None
+    overrides: tuple   # Settings.resolve_overrides()
 
 
 class _Reject(Exception):

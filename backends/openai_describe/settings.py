@@ -85,6 +85,9 @@ class Settings:
     cache_enabled: bool = True
     cache_max_entries: int = 10000
     cache_ttl_s: float = 3600.0
+    # A streaming model that takes a photo (IMAGE) asks this model for LABELS and
+    # SCORES first (BLS); empty: requests carry LABELS and SCORES themselves.
+    classify_model: str = ""
     # Names of the settings that came from the environment (for the load log).
     from_env: tuple = ()
 

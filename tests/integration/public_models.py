@@ -11,6 +11,9 @@ from .raw_infer import bytes_tensor, fp32_tensor
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODELS = ("classify_and_describe", "classify", "preprocess", "classifier", "describe")
+# Decoupled: no HTTP /infer, so the suites above do not apply; tests/integration/test_streaming.py
+# sends them the same classes of requests over gRPC streams and HTTP generate_stream.
+STREAM_MODELS = ("classify_and_describe_stream", "describe_stream")
 COFFEE_TOP1 = b"espresso"
 
 

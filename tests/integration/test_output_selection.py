@@ -15,12 +15,12 @@ import pytest
 
 from serving.procfs import http_json
 
-from .public_models import MODELS, repository_models
+from .public_models import MODELS, STREAM_MODELS, repository_models
 from .raw_infer import GrpcInfer, http_infer
 
 
 def test_every_model_of_the_repository_is_listed():
-    assert sorted(MODELS) == repository_models()
+    assert sorted(MODELS + STREAM_MODELS) == repository_models()
 
 
 def output_names(server, model):

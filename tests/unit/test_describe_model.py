@@ -214,10 +214,11 @@ def test_finalize_drains_in_flight_requests(fake_pb_utils_module, fake, monkeypa
     assert late.get_response_sender().wait(0).error().code() == pb_utils.TritonError.UNAVAILABLE
 
 
-def test_a_decoupled_config_is_refused_at_load(fake_pb_utils_module, monkeypatch):
+def test_a_decoupled_config_with_batches_is_refused_at_load(fake_pb_utils_module, monkeypatch):
+    """A stream carries one description: a decoupled model must take one row per request."""
     pb_utils = fake_pb_utils_module
-    config = {"name": "describe", "model_transaction_policy": {"decoupled": True}}
-    with pytest.raises(pb_utils.TritonModelException, match="non-decoupled"):
+    config = {"name": "describe_stream", "max_batch_size": 8, "model_transaction_policy": {"decoupled": True}}
+    with pytest.raises(pb_utils.TritonModelException, match="max_batch_size: 1"):
         load_model_module().TritonPythonModel().initialize(
             {"model_config": json.dumps(config), "model_name": "describe", "model_version": "1"})
 

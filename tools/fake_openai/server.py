@@ -4,15 +4,25 @@ It answers POST /v1/chat/completions, and its behaviour can be changed while
 it runs through an admin API on the same port:
 
   POST /_admin/mode   {"mode": "ok" | "429" | "500" | "401" | "hang" | "malformed"
-                                | "drop" | "refuse",
-                       "latency_ms": 0,      # added before every answer
+                                | "drop" | "refuse" | "cut",
+                       "latency_ms": 0,      # added before every answer (before the first chunk)
+                       "chunk_ms": 0,        # streamed answers: added before each further chunk
+                       "answer_words": 0,    # pad every answer to at least this many words
+                       "cut_after": 3,       # "cut": chunks sent before the connection drops
                        "retry_after": 1,     # Retry-After header of "429"
                        "count": null,        # apply to the next N requests, then "ok"
                        "duration_s": 3}      # "refuse": stop listening this long
   GET  /_admin/stats  requests received, in flight, last Authorization header,
                       requests by Authorization header ("" when absent),
-                      recent bodies and arrival times, disconnects
-  POST /_admin/reset  back to "ok" with the start-up latency; clears the stats
+                      recent bodies and arrival times, disconnects (and the
+                      time of each: disconnect_times), streamed answers' texts
+  POST /_admin/reset  back to "ok" with the start-up latencies; clears the stats
+
+A request with "stream": true is answered with server-sent events as the
+OpenAI API does: one chat.completion.chunk per word (the first one carries
+the role), then, with "stream_options": {"include_usage": true}, a last chunk
+with no choices and the usage, then "data: [DONE]". "cut" sends `cut_after`
+chunks of the answer and closes the connection (a plain request is dropped).
 
 "drop" accepts the connection and closes it without an answer; "refuse" stops
 the listener and closes open connections, so new connections are refused,
@@ -23,19 +33,24 @@ Each "ok" answer is numbered, so a test can tell a cached answer from a new one.
 
 import asyncio
 import json
+import re
 import time
 
 from aiohttp import web
 
-MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse")
+MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse", "cut")
 RECENT = 50  # bodies and arrival times kept for /_admin/stats
+RECENT_ANSWERS = 2000  # streamed answers' texts kept: a 500-stream benchmark compares them all
+FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut "
+          "labore et dolore magna aliqua").split()
 
 
 class FakeOpenAI:
-    def __init__(self, host="127.0.0.1", port=0, latency_ms=0.0):
+    def __init__(self, host="127.0.0.1", port=0, latency_ms=0.0, chunk_ms=0.0):
         self.host = host
         self.port = port
         self.default_latency_ms = float(latency_ms)
+        self.default_chunk_ms = float(chunk_ms)
         self._runner = None
         self._site = None
         self._transports = set()
@@ -73,19 +88,30 @@ class FakeOpenAI:
     def _reset(self):
         self.mode = "ok"
         self.latency_ms = self.default_latency_ms
+        self.chunk_ms = self.default_chunk_ms
+        self.answer_words = 0
+        self.cut_after = 3
         self.retry_after = 1.0
         self.count = None
         self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
-                      "disconnected": 0, "last_authorization": None, "authorizations": {}, "bodies": [],
-                      "arrivals": [], "by_mode": {}}
+                      "disconnected": 0, "disconnect_times": [], "last_authorization": None,
+                      "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
+                      "streams_started": 0, "streams_completed": 0, "streamed_answers": []}
 
-    def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0):
+    def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
+                 chunk_ms=None, answer_words=None, cut_after=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.mode = mode
         self.count = count
         if latency_ms is not None:
             self.latency_ms = float(latency_ms)
+        if chunk_ms is not None:
+            self.chunk_ms = float(chunk_ms)
+        if answer_words is not None:
+            self.answer_words = int(answer_words)
+        if cut_after is not None:
+            self.cut_after = int(cut_after)
         if retry_after is not None:
             self.retry_after = float(retry_after)
         if mode == "refuse":
@@ -127,8 +153,9 @@ class FakeOpenAI:
             if self.latency_ms:
                 await asyncio.sleep(self.latency_ms / 1000.0)
             return await self._answer(mode, request, body)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError):
             stats["disconnected"] += 1
+            stats["disconnect_times"] = (stats["disconnect_times"] + [time.time()])[-RECENT:]
             raise
         finally:
             stats["in_flight"] -= 1
@@ -147,31 +174,73 @@ class FakeOpenAI:
             await asyncio.sleep(3600)
         if mode == "malformed":
             return web.Response(status=200, text='{"id": "chatcmpl-x", "choices": [', content_type="application/json")
-        if mode == "drop":
+        if mode == "drop" or (mode == "cut" and not body.get("stream")):
             request.transport.close()
             raise asyncio.CancelledError()
+        if body.get("stream"):
+            return await self._stream(request, body, cut_after=self.cut_after if mode == "cut" else None)
         if mode == "refuse":  # a request that slipped in before the listener stopped
             request.transport.close()
             raise asyncio.CancelledError()
         return self._completion(body)
 
-    def _completion(self, body):
+    def _content(self, body):
+        """(number, content, usage) of the next answer."""
         self.stats["answered_ok"] += 1
         number = self.stats["answered_ok"]
         model = body.get("model", "")
         messages = body.get("messages") or [{"content": ""}]
         user = str(messages[-1].get("content", ""))
         content = f"Fake answer #{number} from {model}: {user.splitlines()[0][:80]}"
+        missing = self.answer_words - len(content.split())
+        if missing > 0:
+            content += " " + " ".join(FILLER[i % len(FILLER)] for i in range(missing))
         prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
         completion_tokens = len(content.split())
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return number, content, usage
+
+    def _completion(self, body):
+        number, content, usage = self._content(body)
         return web.json_response({
             "id": f"chatcmpl-fake-{number}", "object": "chat.completion", "created": int(time.time()),
-            "model": model,
+            "model": body.get("model", ""),
             "choices": [{"index": 0, "finish_reason": "stop",
                          "message": {"role": "assistant", "content": content}}],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens},
+            "usage": usage,
         })
+
+    async def _stream(self, request, body, cut_after=None):
+        """Server-sent events, one chunk per word; `cut_after` chunks then a dropped connection."""
+        stats = self.stats
+        number, content, usage = self._content(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        stats["streams_started"] += 1
+        base = {"id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.get("model", "")}
+
+        async def event(payload):
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        words = re.findall(r"\S+\s*", content)
+        for index, word in enumerate(words):
+            if cut_after is not None and index >= cut_after:
+                request.transport.close()
+                raise asyncio.CancelledError()
+            if index and self.chunk_ms:
+                await asyncio.sleep(self.chunk_ms / 1000.0)
+            delta = {"role": "assistant", "content": word} if index == 0 else {"content": word}
+            await event(dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": None}]))
+        await event(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await event(dict(base, choices=[], usage=usage))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        stats["streams_completed"] += 1
+        stats["streamed_answers"] = (stats["streamed_answers"] + [content])[-RECENT_ANSWERS:]
+        return response
 
     # -- admin API --------------------------------------------------------------------
 
@@ -179,7 +248,8 @@ class FakeOpenAI:
         payload = await request.json()
         try:
             self.set_mode(payload.get("mode", "ok"), payload.get("latency_ms"), payload.get("retry_after"),
-                          payload.get("count"), payload.get("duration_s", 3.0))
+                          payload.get("count"), payload.get("duration_s", 3.0), payload.get("chunk_ms"),
+                          payload.get("answer_words"), payload.get("cut_after"))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(self._describe_mode())
@@ -192,7 +262,8 @@ class FakeOpenAI:
         return web.json_response(self._describe_mode())
 
     def _describe_mode(self):
-        return {"mode": self.mode, "latency_ms": self.latency_ms, "retry_after": self.retry_after,
+        return {"mode": self.mode, "latency_ms": self.latency_ms, "chunk_ms": self.chunk_ms,
+                "answer_words": self.answer_words, "cut_after": self.cut_after, "retry_after": self.retry_after,
                 "count": self.count}
 
 
@@ -213,10 +284,11 @@ def main(argv=None):
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--chunk-ms", type=float, default=0.0, help="streamed answers: delay before each further chunk")
     args = parser.parse_args(argv)
 
     async def serve():
-        fake = FakeOpenAI(args.host, args.port, args.latency_ms)
+        fake = FakeOpenAI(args.host, args.port, args.latency_ms, args.chunk_ms)
         await fake.start()
         print(f"fake_openai: listening on {fake.base_url} (latency {args.latency_ms} ms)", flush=True)
         try:
@@ -234,12 +306,12 @@ class ThreadedFakeOpenAI:
     """The fake on its own event loop thread, for tests whose code under test
     runs its own loop (e.g. the Triton adapter): `with ThreadedFakeOpenAI() as fake:`."""
 
-    def __init__(self, latency_ms=0.0):
+    def __init__(self, latency_ms=0.0, chunk_ms=0.0):
         import threading
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-openai", daemon=True)
-        self.fake = FakeOpenAI(port=0, latency_ms=latency_ms)
+        self.fake = FakeOpenAI(port=0, latency_ms=latency_ms, chunk_ms=chunk_ms)
 
     def __enter__(self):
         self._thread.start()
