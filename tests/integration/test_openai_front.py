@@ -286,7 +286,7 @@ def test_models_lists_what_can_be_asked_for(sdk):
 
 # -- streaming ------------------------------------------------------------------
 
-def test_streaming_sends_chunks_whose_text_is_the_non_streaming_answer(sdk, stream_model, photos):
+def test_streaming_sends_chunks_whose_text_is_the_non_streaming_answer(sdk, stream_model, photos, llm):
     prompt = unique_prompt("Describe it")
     plain = sdk.chat.completions.create(model=MODEL, messages=user_message(data_uri(photos["chelsea"]), prompt))
     chunks = list(sdk.chat.completions.create(model=MODEL, messages=user_message(data_uri(photos["chelsea"]), prompt),
@@ -297,7 +297,8 @@ def test_streaming_sends_chunks_whose_text_is_the_non_streaming_answer(sdk, stre
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     # The fake upstream numbers its answers ("Fake answer #12"); the rest is the same text.
     assert re.sub(r"#\d+", "#", text) == re.sub(r"#\d+", "#", plain.choices[0].message.content)
-    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) >= 1
+    assert text == llm.admin("stats")["streamed_answers"][-1], "exactly the text the LLM streamed"
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3, "one chunk per word upstream"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens > 0
     assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
@@ -320,6 +321,34 @@ def test_the_async_sdk_streams(front, stream_model, photos):
 
     chunks = asyncio.run(main())
     assert "".join(c.choices[0].delta.content or "" for c in chunks).startswith("Fake answer #")
+
+
+def test_an_upstream_cut_short_still_ends_the_stream_properly(sdk, stream_model, photos, llm):
+    llm.admin("mode", {"mode": "cut", "cut_after": 3, "count": 1})
+    chunks = list(sdk.chat.completions.create(model=MODEL, stream=True,
+                                              messages=user_message(data_uri(photos["coffee"]), unique_prompt())))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].classify_describe["description_source"]
+    assert text.startswith("Fake answer #")
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_llm_call(front, stream_model, photos, llm):
+    """Closing the HTTP stream cancels the gRPC stream, which the streaming
+    model passes on to the upstream (its connection closes)."""
+    llm.admin("mode", {"mode": "ok", "chunk_ms": 200, "answer_words": 100})
+    before = llm.admin("stats")["disconnected"]
+    with openai.OpenAI(base_url=front, api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(model=MODEL, stream=True,
+                                                messages=user_message(data_uri(photos["coffee"]), unique_prompt()))
+        for index, _ in enumerate(stream):
+            if index == 3:
+                break
+        stream.close()
+    deadline = time.monotonic() + 10
+    while llm.admin("stats")["disconnected"] == before:
+        assert time.monotonic() < deadline, "the upstream stream was still read 10 s after the client left"
+        time.sleep(0.2)
+    assert llm.admin("stats")["streams_completed"] == 0
 
 
 def test_a_broken_image_while_streaming_is_a_400_before_any_chunk(front, stream_model):
