@@ -1,0 +1,220 @@
+"""What the OpenAI-compatible front costs: the same requests (a JPEG and a
+distinct prompt each) sent to classify_and_describe with tritonclient gRPC
+directly and through the front's POST /v1/chat/completions, side by side in
+one run, on one server, with the fake LLM at 0 ms.
+
+  1. added latency: one request at a time, blocks of each path in turn;
+     p50 (and p99) of each, the difference is what the front adds;
+  2. throughput at the ensemble's saturating concurrency: a short sweep of
+     the direct path finds it (the smallest concurrency within 5 % of the
+     best), then timed windows of each path in turn at that concurrency;
+     also the front's own CPU per request (it shares the cores with Triton).
+
+  python -m tools.bench.openai_front [--results docs/results/openai-front-<date>.json]
+  make bench-openai
+
+Both clients live in this process: grpc.aio for the direct path, one aiohttp
+session posting pre-built JSON bodies for the front (what an OpenAI SDK sends,
+without the SDK's own client-side cost, which is the same with or without
+this front). Targets (issue 14): added p50 <= 2 ms; throughput >= 0.95 of direct.
+"""
+
+import argparse
+import asyncio
+import base64
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+from serving.procfs import children
+from tools.bench.clients import _drive, _inputs, _percentile
+from tools.bench.harness import FakeLLM, Triton, load_average
+from tools.bench.inputs import photo_jpegs, prompts
+
+MODEL = "classify_and_describe"
+TARGET_ADDED_P50_MS = 2.0
+TARGET_THROUGHPUT_RATIO = 0.95
+
+
+def log(message):
+    print(f"[openai-front bench] {message}", file=sys.stderr, flush=True)
+
+
+def process_cpu_s(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def front_pid(supervisor_pid):
+    for pid in children(supervisor_pid):
+        try:
+            if b"openai_front" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise RuntimeError("no openai_front process beside the server")
+
+
+class Paths:
+    """One request by either path; index picks the image and the prompt."""
+
+    def __init__(self, grpc_url, openai_base_url, images, questions):
+        import aiohttp
+        import tritonclient.grpc.aio as grpcclient
+
+        self.grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(grpc_url)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self.url = f"{openai_base_url}/chat/completions"
+        self.images, self.questions = images, questions
+        self.uris = [json.dumps("data:image/jpeg;base64," + base64.b64encode(i).decode()) for i in images]
+
+    async def direct(self, index):
+        result = await self.client.infer(MODEL, _inputs(self.grpc, self.images[index % len(self.images)],
+                                                        self.questions[index % len(self.questions)]))
+        if result.as_numpy("DESCRIPTION_SOURCE")[0][0] != b"llm":
+            raise RuntimeError("the describe step fell back")
+
+    def body(self, index):
+        # The data: URI is JSON-encoded once per image; only the prompt changes.
+        question = json.dumps(self.questions[index % len(self.questions)])
+        return (f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": [{{"type": "text", "text": {question}}}, '
+                f'{{"type": "image_url", "image_url": {{"url": {self.uris[index % len(self.uris)]}}}}}]}}]}}').encode()
+
+    async def front(self, index):
+        async with self.session.post(self.url, data=self.body(index),
+                                     headers={"Content-Type": "application/json"}) as response:
+            answer = await response.json()
+        if response.status != 200 or answer["classify_describe"]["description_source"] != "llm":
+            raise RuntimeError(f"front answered {response.status}: {str(answer)[:200]}")
+
+    async def close(self):
+        await self.client.close()
+        await self.session.close()
+
+
+async def one_at_a_time(paths, block, rounds, offset):
+    """Blocks of `block` requests per path in turn, `rounds` times; latencies in ms."""
+    latencies = {"direct": [], "front": []}
+    index = offset
+    for turn in range(rounds):
+        order = ("direct", "front") if turn % 2 == 0 else ("front", "direct")
+        for name in order:
+            call = getattr(paths, name)
+            for _ in range(block):
+                started = time.perf_counter()
+                await call(index)
+                latencies[name].append((time.perf_counter() - started) * 1e3)
+                index += 1
+    return latencies, index
+
+
+async def bench(triton, llm, args):
+    images = list(photo_jpegs().values())
+    questions = prompts(1_000_000)
+    paths = Paths(triton.grpc_url, triton.openai_base_url, images, questions)
+    front = front_pid(triton.process.pid)
+    results = {"target_added_p50_ms": TARGET_ADDED_P50_MS, "target_throughput_ratio": TARGET_THROUGHPUT_RATIO}
+    try:
+        # Warm both paths (channels, connection pools, the models' first requests).
+        for index in range(20):
+            await paths.direct(index)
+            await paths.front(index)
+
+        log(f"latency: {args.rounds} rounds of {args.block} requests per path, one at a time")
+        latencies, offset = await one_at_a_time(paths, args.block, args.rounds, 100)
+        latency = {name: {"p50_ms": _percentile(v, 50), "p99_ms": _percentile(v, 99), "mean_ms": statistics.fmean(v),
+                          "count": len(v)} for name, v in latencies.items()}
+        latency["added_p50_ms"] = latency["front"]["p50_ms"] - latency["direct"]["p50_ms"]
+        latency["added_p99_ms"] = latency["front"]["p99_ms"] - latency["direct"]["p99_ms"]
+        results["latency"] = latency
+        log(f"  direct p50 {latency['direct']['p50_ms']:.2f} ms, front p50 {latency['front']['p50_ms']:.2f} ms, "
+            f"added {latency['added_p50_ms']:.2f} ms")
+
+        sweep = {}
+        if args.concurrency:
+            saturating = args.concurrency
+        else:
+            for concurrency in args.sweep:
+                run = await _drive(paths.direct, concurrency, args.sweep_s, warmup_s=1.0)
+                sweep[concurrency] = run["throughput"]
+                log(f"  sweep (direct) c={concurrency}: {run['throughput']:.1f} req/s")
+            best = max(sweep.values())
+            saturating = min(c for c, t in sweep.items() if t >= 0.95 * best)
+        results["sweep_direct_throughput"] = sweep
+        results["saturating_concurrency"] = saturating
+
+        log(f"throughput at concurrency {saturating}: {args.windows} windows of {args.window_s:.0f} s per path")
+        windows = []
+        for turn in range(args.windows):
+            for name in (("direct", "front") if turn % 2 == 0 else ("front", "direct")):
+                cpu_before = process_cpu_s(front)
+                run = await _drive(getattr(paths, name), saturating, args.window_s, warmup_s=2.0)
+                cpu_s = process_cpu_s(front) - cpu_before
+                windows.append({"path": name, "throughput": run["throughput"], "p50_ms": run["p50_ms"],
+                                "p99_ms": run["p99_ms"], "errors": run["errors"],
+                                "front_cpu_ms_per_request": cpu_s * 1e3 / max(run["finished_all"], 1)
+                                if name == "front" else None})
+                log(f"  {name}: {run['throughput']:.1f} req/s, p50 {run['p50_ms']:.0f} ms, errors {run['errors']}")
+        total = {name: sum(w["throughput"] for w in windows if w["path"] == name) for name in ("direct", "front")}
+        results["windows"] = windows
+        results["throughput_ratio"] = total["front"] / total["direct"] if total["direct"] else float("nan")
+        results["front_cpu_ms_per_request"] = statistics.fmean(
+            w["front_cpu_ms_per_request"] for w in windows if w["path"] == "front")
+        log(f"  throughput ratio front/direct: {results['throughput_ratio']:.3f}; front CPU "
+            f"{results['front_cpu_ms_per_request']:.2f} ms per request")
+    finally:
+        await paths.close()
+    results["met"] = {"added_p50": results["latency"]["added_p50_ms"] <= TARGET_ADDED_P50_MS,
+                      "throughput": results["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO}
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=pathlib.Path,
+                        default=pathlib.Path(f"docs/results/openai-front-{datetime.date.today()}.json"))
+    parser.add_argument("--block", type=int, default=50, help="requests per block in the latency phase")
+    parser.add_argument("--rounds", type=int, default=6, help="blocks per path in the latency phase")
+    parser.add_argument("--concurrency", type=int, help="skip the sweep and measure throughput at this concurrency")
+    parser.add_argument("--sweep", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--sweep-s", type=float, default=6.0)
+    parser.add_argument("--windows", type=int, default=4, help="throughput windows per path")
+    parser.add_argument("--window-s", type=float, default=15.0)
+    args = parser.parse_args(argv)
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="bench-openai-front-"))
+    llm = FakeLLM(workdir, latency_ms=0.0)
+    triton = None
+    try:
+        triton = Triton(workdir, llm.base_url)
+        load_before = load_average()
+        results = asyncio.run(bench(triton, llm, args))
+    finally:
+        if triton is not None:
+            triton.stop()
+        llm.stop()
+    results.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command="python -m tools.bench.openai_front " + " ".join(argv if argv is not None else sys.argv[1:]),
+                   load_average_before=load_before, load_average_after=load_average(),
+                   note="2-core shared VM; client, front, Triton and the fake LLM on the same cores")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=1, default=float) + "\n")
+    log(f"results: {args.results}")
+    print(json.dumps({"added_p50_ms": round(results["latency"]["added_p50_ms"], 2),
+                      "throughput_ratio": round(results["throughput_ratio"], 3),
+                      "saturating_concurrency": results["saturating_concurrency"], "met": results["met"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
