@@ -481,6 +481,28 @@ def test_triton_unavailable_is_503_with_retry_after(tmp_path, photos):
         dead.stop()
 
 
+def test_term_lets_requests_in_flight_finish(triton, llm, photos, tmp_path):
+    """The supervisor sends TERM to the front and the server together at
+    shutdown; Triton drains what it was sent, and the front must answer those
+    requests before it exits, not cut them."""
+    import concurrent.futures
+    import signal
+
+    front = Front(tmp_path / "front.log", triton.grpc_url)
+    try:
+        llm.admin("mode", {"mode": "ok", "latency_ms": 1500})
+        body = {"model": MODEL, "messages": user_message(data_uri(photos["coffee"]), unique_prompt())}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, front.base_url, body)
+            time.sleep(0.7)
+            front.process.send_signal(signal.SIGTERM)
+            status, _, result = answer.result(timeout=30)
+        assert status == 200 and result["choices"][0]["message"]["content"].startswith("Fake answer #")
+        assert front.process.wait(timeout=30) == 0
+    finally:
+        front.stop()
+
+
 # -- auth -----------------------------------------------------------------------
 
 def test_without_a_key_the_front_is_open_and_says_so(front, triton):
