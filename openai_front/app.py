@@ -84,6 +84,10 @@ async def _errors_and_auth(request, handler):
             raise
         error = FrontError(http.status, f"{request.method} {request.path}: {http.reason}",
                            code="not_found" if http.status == 404 else None)
+    except Exception as bug:  # noqa: BLE001 - a bug answers that request alone, in OpenAI's format
+        # The type and message only: a traceback's locals could hold the request (or a key).
+        log.error("openai_front: unexpected %s: %s", type(bug).__name__, bug)
+        error = FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
     request.app[METRICS].error(error.status, error.code)
     return error_response(error)
 
@@ -93,7 +97,7 @@ async def _read_json(request):
         return json.loads(await request.read())
     except web.HTTPRequestEntityTooLarge:
         raise
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: absurd nesting
         raise invalid("the request body is not valid JSON") from None
 
 
@@ -138,13 +142,11 @@ async def chat_completions(request):
         model = _model(settings, parsed.model)
         image = parsed.image if parsed.image is not None else await _fetch_image(app, parsed.image_url)
         if parsed.stream:
-            response, usage = await _stream(request, model, parsed, image)
-        else:
-            answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, parsed.parameters)
-            usage = answer.usage
-            response = web.json_response(responses.completion(responses.completion_id(), model.id, answer))
-        status = 200
-        return response
+            response, usage, status = await _stream(request, model, parsed, image)
+            return response
+        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, parsed.parameters)
+        usage, status = answer.usage, 200
+        return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
     except FrontError as error:
         status = error.status
         if status >= 500:
@@ -167,24 +169,30 @@ async def _stream(request, model, parsed, image):
             raise FrontError(502, "the pipeline ended the stream without an answer", type="server_error",
                              code="server_error") from None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        chunks = responses.ChunkWriter(responses.completion_id(), model.id, parsed.include_usage)
-        await response.write(chunks.first(answer.labels, answer.scores))
-        if text:
-            await response.write(chunks.text(text))
         try:
-            async for _same_answer, text in events:  # one Answer, filled in as responses come
-                if text:
-                    await response.write(chunks.text(text))
-        except FrontError as error:
-            request.app[METRICS].error(error.status, error.code)
-            log.warning("openai_front: stream failed after it started: %s", error.message)
-            await response.write(responses.sse(error.body()))
+            await response.prepare(request)
+            chunks = responses.ChunkWriter(responses.completion_id(), model.id, parsed.include_usage)
+            await response.write(chunks.first(answer.labels, answer.scores))
+            if text:
+                await response.write(chunks.text(text))
+            try:
+                async for _same_answer, text in events:  # one Answer, filled in as responses come
+                    if text:
+                        await response.write(chunks.text(text))
+            except FrontError as error:
+                request.app[METRICS].error(error.status, error.code)
+                log.warning("openai_front: stream failed after it started: %s", error.message)
+                await response.write(responses.sse(error.body()))
+                await response.write_eof()
+                return response, None, error.status
+            await response.write(chunks.last(answer.source, answer.usage))
             await response.write_eof()
-            return response, None
-        await response.write(chunks.last(answer.source, answer.usage))
-        await response.write_eof()
-        return response, answer.usage
+        except ConnectionResetError:
+            # The client left: leaving this block closes `events`, which cancels
+            # the gRPC stream, and the streaming model stops its LLM call.
+            request.app[METRICS].error(499, "client_closed_request")
+            return response, None, 499
+        return response, answer.usage, 200
 
 
 async def list_models(request):

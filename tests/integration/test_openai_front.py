@@ -349,6 +349,8 @@ def test_a_client_that_leaves_mid_stream_stops_the_llm_call(front, stream_model,
         assert time.monotonic() < deadline, "the upstream stream was still read 10 s after the client left"
         time.sleep(0.2)
     assert llm.admin("stats")["streams_completed"] == 0
+    metrics = urllib.request.urlopen(front.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
+    assert metric(metrics, "openai_front_errors_total", code="client_closed_request") >= 1
 
 
 def test_a_broken_image_while_streaming_is_a_400_before_any_chunk(front, stream_model):
@@ -442,6 +444,10 @@ def test_a_body_that_is_not_json_and_unknown_routes_answer_in_openai_format(fron
     assert_openai_error(status, body, 400, "JSON")
     status, _, body = post(front, None, raw=b"[1, 2]")
     assert_openai_error(status, body, 400, "object")
+    status, _, body = post(front, None, raw=b"[" * 100_000 + b"]" * 100_000)  # nesting past Python's recursion limit
+    assert_openai_error(status, body, 400, "JSON")
+    status, _, body = post(front, None, raw=b'{"model": "\xff\xfe"}')  # not UTF-8
+    assert_openai_error(status, body, 400, "JSON")
     for path, expected in (("/v1/completions", 404), ("/v1/embeddings", 404)):
         request = urllib.request.Request(front.removesuffix("/v1") + path, data=b"{}", method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -613,3 +619,8 @@ def test_the_readme_curl_example_runs(front):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["classify_describe"]["labels"][0] == "espresso"
+
+
+def test_the_front_logged_no_unexpected_error(front, triton):
+    """Runs after the hostile cases above: none of them reached the catch-all."""
+    assert "openai_front: unexpected" not in triton.log()
