@@ -244,3 +244,16 @@ def test_metrics_render_counters_and_a_cumulative_histogram():
     assert 'openai_front_request_duration_seconds_bucket{model="m",stream="false",le="0.5"} 2' in text
     assert 'openai_front_request_duration_seconds_bucket{model="m",stream="false",le="+Inf"} 2' in text
     assert 'openai_front_errors_total{status="404",code="model_not_found"} 1' in text
+
+
+def test_the_benchmarks_doc_shows_the_committed_front_results():
+    """docs/benchmarks.md's section is what tools/bench/openai_front.markdown()
+    renders from the newest committed results, so figures and JSON agree."""
+    import pathlib
+
+    from tools.bench.openai_front import markdown
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
+    newest = sorted((docs / "results").glob("openai-front-*.json"))[-1]
+    section = markdown(json.loads(newest.read_text()), f"results/{newest.name}")
+    assert section in (docs / "benchmarks.md").read_text()
