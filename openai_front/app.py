@@ -17,6 +17,7 @@ from .metrics import Metrics
 from .triton import TritonPool
 
 log = logging.getLogger("openai_front")
+OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # no key needed: probes and Prometheus
 SETTINGS, POOL, METRICS, FETCHER = (web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher"))
 
 
@@ -65,9 +66,10 @@ def _authorized(request, key):
 @web.middleware
 async def _errors_and_auth(request, handler):
     """Every answer in OpenAI's error format, also aiohttp's own (404, 405,
-    413); /v1/ needs the key when one is configured."""
+    413); everything but the probes and metrics needs the key when one is
+    configured (a list of what is open, so no spelling of a path slips past)."""
     key = request.app[SETTINGS].api_key
-    if key and request.path.startswith("/v1/") and not _authorized(request, key):
+    if key and request.path not in OPEN_PATHS and not _authorized(request, key):
         error = FrontError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
         request.app[METRICS].error(error.status, error.code)

@@ -530,6 +530,14 @@ def test_with_a_key_every_v1_request_needs_it(keyed_front, photos):
             client.models.list()
     with openai.OpenAI(base_url=keyed_front.base_url, api_key=FRONT_KEY, max_retries=0) as client:
         assert [m.id for m in client.models.list().data] == [MODEL]
+    base = keyed_front.base_url.removesuffix("/v1")
+    for path in ("//v1/models", "/v1/./models", "/v1/models/", "/V1/models", "/v1/unknown"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(base + path, timeout=10)
+        assert refused.value.code == 401, path
+    for path in ("/health", "/metrics"):  # probes and Prometheus need no key
+        with urllib.request.urlopen(base + path, timeout=10) as response:
+            assert response.status == 200
     log = keyed_front.log()
     assert "the key from OPENAI_FRONT_API_KEY_FILE" in log and "OPEN:" not in log
 
