@@ -411,6 +411,8 @@ BAD_REQUESTS = {
     "max_tokens not a number": ({"max_tokens": "lots"}, 400, "max_tokens"),
     "remote URL": ({"messages": user_message("http://169.254.169.254/latest/meta-data/")}, 400, "refused"),
     "file URL": ({"messages": user_message("file:///etc/passwd")}, 400, "data: URI"),
+    "prompt too long": ({"messages": user_message("PHOTO", "why? " * 20_000)}, 400, "PROMPT"),
+    "temperature out of range": ({"temperature": -1}, 400, "temperature"),
     "unknown model": ({"model": "gpt-4o"}, 404, "gpt-4o"),
     "no model": ({"model": None}, 400, "model"),
 }
@@ -420,6 +422,7 @@ BAD_REQUESTS = {
 def test_bad_requests_are_refused_alone_with_a_clear_openai_error(front, photos, case):
     changes, expected_status, words = BAD_REQUESTS[case]
     body = {"model": MODEL, "messages": user_message(data_uri(photos["coffee"])), **changes}
+    body = json.loads(json.dumps(body).replace('"PHOTO"', json.dumps(data_uri(photos["coffee"]))))
     status, _, answer = post(front, body)
     assert_openai_error(status, answer, expected_status, words)
     if case == "unknown model":
