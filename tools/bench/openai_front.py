@@ -10,7 +10,8 @@ one run, on one server, with the fake LLM at 0 ms.
      best), then timed windows of each path in turn at that concurrency;
      also the front's own CPU per request (it shares the cores with Triton).
 
-  python -m tools.bench.openai_front [--results docs/results/openai-front-<date>.json]
+  python -m tools.bench.openai_front [--results docs/results/openai-front-<UTC time>.json]
+  (results under docs/results/ also rewrite the section of docs/benchmarks.md)
   make bench-openai
 
 Both clients live in this process: grpc.aio for the direct path, one aiohttp
@@ -36,6 +37,8 @@ from tools.bench.clients import _drive, _inputs, _percentile
 from tools.bench.harness import FakeLLM, Triton, load_average
 from tools.bench.inputs import photo_jpegs, prompts
 
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SECTION = "## The OpenAI-compatible front"
 MODEL = "classify_and_describe"
 TARGET_ADDED_P50_MS = 2.0
 TARGET_THROUGHPUT_RATIO = 0.95
@@ -179,9 +182,10 @@ async def bench(triton, llm, args):
     return results
 
 
-def markdown(results, results_link):
+def markdown(results, results_link, runs=()):
     """The docs/benchmarks.md section for one run's results (what report.py can
-    append as "## The OpenAI-compatible front")."""
+    append as "## The OpenAI-compatible front"); runs: every run's results
+    (this one included), oldest first, for a line per run."""
     latency, windows = results["latency"], results["windows"]
     direct, front = latency["direct"], latency["front"]
     by_path = {name: [w["throughput"] for w in windows if w["path"] == name] for name in ("direct", "front")}
@@ -198,7 +202,7 @@ def markdown(results, results_link):
     ]
     table = "\n".join("| " + " | ".join(row) + " |" for row in
                       [("figure", "direct gRPC", "through the front", "result", "target"), ("---",) * 5, *rows])
-    return f"""## The OpenAI-compatible front
+    return f"""{SECTION}
 
 `make bench-openai` (`python -m tools.bench.openai_front`, about 3 minutes; results
 [{results_link}]({results_link})): the same requests (a JPEG and a distinct prompt each) to
@@ -217,13 +221,49 @@ the shared 2-core development VM while other engineers ran builds and tests (loa
 windows moved between {min(everything):.0f} and {max(everything):.0f} req/s, so the throughput
 ratio is only as good as the alternation; the one-at-a-time p50s are steadier.
 Errors: {sum(w["errors"] for w in windows)}.
-"""
+{_runs_table(runs)}"""
+
+
+def _runs_table(runs):
+    if len(runs) < 2:
+        return ""
+    lines = ["", "Every committed run (docs/results/openai-front-*.json), the one above last:", "",
+             "| run (UTC) | added p50 | throughput ratio | at concurrency | load average before, after |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['date'][:16].replace('T', ' ')} | {r['latency']['added_p50_ms']:+.2f} ms | {r['throughput_ratio']:.3f} "
+              f"| {r['saturating_concurrency']} | {r['load_average_before'][0]:.1f}, {r['load_average_after'][0]:.1f} |"
+              for r in runs]
+    added = statistics.median(r["latency"]["added_p50_ms"] for r in runs)
+    ratio = statistics.median(r["throughput_ratio"] for r in runs)
+    cpu = statistics.median(r["front_cpu_ms_per_request"] for r in runs)
+    lines.append(f"| **median of {len(runs)}** | **{added:+.2f} ms** | **{ratio:.3f}** | | |")
+    lines += ["", f"On a host whose cores Triton saturates, the front's {cpu:.1f} ms of CPU per request is what it "
+              "takes from the ensemble's (about 43 ms per request here, `make bench`'s CPU accounting): about "
+              f"{cpu / (43 + cpu):.0%} of the throughput when both share the cores, none when the front has its own."]
+    return "\n".join(lines) + "\n"
+
+
+def update_doc(doc, newest):
+    """Replace (or append) the section in docs/benchmarks.md, from every
+    committed run's results and the newest one in full."""
+    paths = sorted(newest.parent.glob("openai-front-*.json"))
+    runs = [json.loads(path.read_text()) for path in paths]
+    section = markdown(json.loads(newest.read_text()), f"results/{newest.name}", runs)
+    text = doc.read_text()
+    start = text.find(SECTION)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    doc.write_text(text)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=pathlib.Path,
-                        default=pathlib.Path(f"docs/results/openai-front-{datetime.date.today()}.json"))
+                        default=pathlib.Path("docs/results/openai-front-"
+                                             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H%M}.json"))
     parser.add_argument("--block", type=int, default=50, help="requests per block in the latency phase")
     parser.add_argument("--rounds", type=int, default=6, help="blocks per path in the latency phase")
     parser.add_argument("--concurrency", type=int, help="skip the sweep and measure throughput at this concurrency")
@@ -251,7 +291,9 @@ def main(argv=None):
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1, default=float) + "\n")
     log(f"results: {args.results}")
-    print(markdown(results, f"results/{args.results.name}"), file=sys.stderr)
+    if args.results.parent.resolve() == (REPO / "docs/results").resolve():
+        update_doc(REPO / "docs/benchmarks.md", args.results)
+        log("docs/benchmarks.md: section 'The OpenAI-compatible front' rewritten")
     print(json.dumps({"added_p50_ms": round(results["latency"]["added_p50_ms"], 2),
                       "throughput_ratio": round(results["throughput_ratio"], 3),
                       "saturating_concurrency": results["saturating_concurrency"], "met": results["met"]}))
