@@ -51,6 +51,7 @@ help:
 	@echo "make bench          perf_analyzer benchmarks -> docs/benchmarks.md + docs/plots (~12 min)"
 	@echo "make bench-quick    the headline ratios in under 3 minutes (build/bench/quick)"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
+	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
 	@echo "make overload       10x the saturating load: fast refusals, bounded latency, nothing lost"
@@ -155,10 +156,18 @@ bench-quick: build perf-analyzer
 
 # The OpenAI-compatible front against tritonclient gRPC directly, side by side in
 # one run (fake LLM 0 ms): added p50 latency and throughput at the saturating
-# concurrency -> docs/results/openai-front-<date>.json (about 3 minutes).
+# concurrency -> docs/results/openai-front-<UTC time>.json and its section of
+# docs/benchmarks.md (about 3 minutes).
 .PHONY: bench-openai
 bench-openai: build
 	$(PY) -m tools.bench.openai_front $(BENCH_OPENAI_ARGS)
+
+# Streaming (tools/bench/streaming.py): time to labels vs classify, time to first token vs the
+# SDK direct, 500 concurrent streams, perf_analyzer --streaming; about 3 minutes.
+#   make bench-stream   docs/results/streaming.json + docs/benchmarks-streaming.md
+.PHONY: bench-stream
+bench-stream: build perf-analyzer
+	$(PY) -m tools.bench.streaming --mode full
 
 # Soak and faults (docs/reliability.md): fake LLM upstream + one server on loopback
 # free ports, valid load at the concurrency that saturates the ensemble, the

@@ -2,6 +2,7 @@
 
     python -m classify_describe cat.jpg coffee.png --prompt "Is it safe to eat?"
     python -m classify_describe photos/*.jpg --concurrency 16 --json > results.jsonl
+    python -m classify_describe cat.jpg --stream   # labels at once, then the text as it is written
 
 Each file is read only when its request is sent. An image that fails (the
 server refused it, no answer after the retries, a file that cannot be read) is
@@ -36,7 +37,11 @@ def parse_args(argv):
     parser.add_argument("--prompt", help="a question about the image (default: describe it)")
     parser.add_argument("--url", help="server address (default 127.0.0.1:8000 for http, :8001 for grpc)")
     parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
-    parser.add_argument("--json", action="store_true", help="one JSON object per image on stdout")
+    parser.add_argument("--json", action="store_true", help="one JSON object per image on stdout "
+                        "(with --stream: one per event)")
+    parser.add_argument("--stream", action="store_true",
+                        help="classify_and_describe_stream: print the labels at once and the description "
+                             "as the LLM writes it (one image at a time)")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--retries", type=int, default=2, metavar="N",
@@ -94,7 +99,57 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def print_event(path, event, as_json):
+    if as_json:
+        fields = {"labels": {"labels": event.labels, "scores": event.scores}, "text": {"text": event.text},
+                  "done": {"result": event.result.as_dict() if event.result else None}}[event.kind]
+        print(json.dumps({"image": str(path), "event": event.kind, **fields}), flush=True)
+    elif event.kind == "labels":
+        print(f"{path}")
+        for label, score in zip(event.labels, event.scores):
+            print(f"  {score:6.1%}  {label}")
+        print("  description: ", end="", flush=True)
+    elif event.kind == "text":
+        print(event.text, end="", flush=True)
+    else:
+        result = event.result
+        print()
+        lines = [f"  source {result.description_source}"]
+        if result.usage.get("fallback_reason"):
+            lines.append(f"  reason: {result.usage['fallback_reason']}")
+        first = result.usage.get("time_to_first_token_ms")
+        lines.append(f"  tokens {result.usage.get('total_tokens', 0)}  latency {result.latency_ms:.0f} ms"
+                     + (f"  first token after {first:.0f} ms (server)" if first is not None else ""))
+        print("\n".join(lines), flush=True)
+
+
+async def run_stream(args):
+    """One image at a time, each printed as its stream comes."""
+    failures = unanswered = 0
+    async with AsyncClient(args.url, args.protocol, timeout_s=args.timeout) as client:
+        for path in args.images:
+            try:
+                image = path.read_bytes()
+            except OSError as error:
+                failures += 1
+                print(f"{path}: error (not retryable): cannot read the file: {error.strerror or error}", file=sys.stderr)
+                continue
+            try:
+                async for event in client.stream(image, args.prompt):
+                    print_event(path, event, args.json)
+            except Exception as error:  # noqa: BLE001 - this image failed, the next ones go on
+                failures += 1
+                answered = getattr(error, "answered", False)
+                unanswered += not answered
+                print(f"\n{path}: error: {error}", file=sys.stderr, flush=True)
+    if not failures:
+        return EXIT_OK
+    return EXIT_NO_ANSWER if unanswered == len(args.images) else EXIT_SOME_FAILED
+
+
 async def run(args):
+    if args.stream:
+        return await run_stream(args)
     progress = Progress(len(args.images))
     failures = unanswered = 0
     async with AsyncClient(args.url, args.protocol, concurrency=args.concurrency,

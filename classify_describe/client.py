@@ -5,6 +5,7 @@ SCORES, DESCRIPTION, DESCRIPTION_SOURCE, USAGE out) and return `Result`.
 """
 
 import asyncio
+import base64
 import http.client
 import itertools
 import json
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MODEL_NAME = "classify_and_describe"
+STREAM_MODEL_NAME = "classify_and_describe_stream"
 OUTPUT_NAMES = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")
 
 
@@ -134,6 +136,84 @@ class Result:
         }
 
 
+@dataclass
+class StreamEvent:
+    """One response of classify_and_describe_stream, in the order they come:
+    kind "labels" (labels, scores), then "text" (text: the next chunk of the
+    description), then "done" (result: the whole Result, its description the
+    chunks joined)."""
+
+    kind: str
+    labels: list = None
+    scores: list = None
+    text: str = None
+    result: Result = None
+
+
+class _StreamState:
+    """Turns the stream's responses (dicts of output name -> value) into StreamEvents."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.labels, self.scores, self.parts = [], [], []
+
+    def events(self, outputs):
+        if "LABELS" in outputs:
+            self.labels = [_text(v) for v in outputs["LABELS"]]
+            self.scores = [float(v) for v in outputs["SCORES"]]
+            yield StreamEvent("labels", labels=self.labels, scores=self.scores)
+        if outputs.get("DESCRIPTION"):
+            text = _text(outputs["DESCRIPTION"])
+            self.parts.append(text)
+            yield StreamEvent("text", text=text)
+        if "DESCRIPTION_SOURCE" in outputs:
+            usage_text = _text(outputs.get("USAGE", "{}"))
+            try:
+                usage = json.loads(usage_text)
+            except json.JSONDecodeError:
+                usage = {"raw": usage_text}
+            yield StreamEvent("done", result=Result(
+                labels=self.labels, scores=self.scores, description="".join(self.parts),
+                description_source=_text(outputs["DESCRIPTION_SOURCE"]), usage=usage,
+                latency_ms=(time.perf_counter() - self.started) * 1e3))
+
+
+def _grpc_outputs(result):
+    """{name: the first row's value(s)} of one gRPC stream response."""
+    outputs = {}
+    for output in result.get_response().outputs:
+        value = result.as_numpy(output.name)[0]
+        outputs[output.name] = value if output.name in ("LABELS", "SCORES") else value[0]
+    return outputs
+
+
+def _sse_outputs(line):
+    """{name: value} of one generate_stream event (`data: {...}`), or None for other lines;
+    raises TritonRequestError for an error event."""
+    if not line.startswith("data:"):
+        return None
+    event = json.loads(line[5:])
+    if "error" in event:
+        raise TritonRequestError(event["error"], answered=True)
+    outputs = {}
+    for name in OUTPUT_NAMES:
+        if name in event:
+            value = event[name]
+            outputs[name] = value if name in ("LABELS", "SCORES") or not isinstance(value, list) else value[0]
+    return outputs
+
+
+def _generate_body(image, prompt, parameters):
+    if not isinstance(image, (bytes, bytearray)):
+        raise TypeError("image must be the encoded bytes of a photo (JPEG, PNG, ...)")
+    # generate_stream takes JSON only: the photo travels as base64, which the stream model decodes.
+    body = {"IMAGE": base64.b64encode(bytes(image)).decode("ascii")}
+    if prompt is not None:
+        body["PROMPT"] = prompt
+    body.update(parameters or {})
+    return json.dumps(body).encode()
+
+
 def _protocol_module(protocol, asynchronous):
     if protocol == "http":
         if asynchronous:
@@ -203,6 +283,7 @@ class Client:
         self.retried = 0  # resends so far, for callers who count them
         self._module = _protocol_module(protocol, asynchronous=False)
         self._protocol = protocol
+        self._url = url
         self._model_name = model_name
         self._timeout_s = timeout_s
         if protocol == "http":
@@ -230,6 +311,60 @@ class Client:
                     raise _request_error(error, self._module, self._timeout_s) from None
                 raise
         return _parse(result, (time.perf_counter() - started) * 1e3)
+
+    def stream(self, image, prompt=None, parameters=None, model_name=STREAM_MODEL_NAME):
+        """Yield StreamEvents of one classify_and_describe_stream request: the
+        labels as soon as they are known, the description chunk by chunk, then
+        "done" with the whole Result. gRPC streams; HTTP uses generate_stream.
+        Leaving the loop early cancels the request (over gRPC the server then
+        stops the LLM call). An error answer raises TritonRequestError."""
+        state = _StreamState()
+        if self._protocol == "grpc":
+            responses = self._grpc_stream(image, prompt, parameters, model_name)
+        else:
+            responses = self._http_stream(image, prompt, parameters, model_name)
+        for outputs in responses:
+            yield from state.events(outputs)
+
+    def _grpc_stream(self, image, prompt, parameters, model_name):
+        import queue
+
+        inputs, _ = _build_inputs(self._module, image, prompt)
+        answers = queue.Queue()
+        self._client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                                  stream_timeout=self._timeout_s)
+        try:
+            self._client.async_stream_infer(model_name, inputs, parameters=parameters,
+                                            enable_empty_final_response=True)
+            while True:
+                result, error = answers.get(timeout=self._timeout_s)
+                if error is not None:
+                    raise _request_error(error, self._module, self._timeout_s) from None
+                response = result.get_response()
+                if response.outputs:
+                    yield _grpc_outputs(result)
+                if response.parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            # Cancels what is still running, when the caller stopped early.
+            self._client.stop_stream(cancel_requests=True)
+
+    def _http_stream(self, image, prompt, parameters, model_name):
+        host, _, port = self._url.rpartition(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=self._timeout_s)
+        try:
+            connection.request("POST", f"/v2/models/{model_name}/generate_stream",
+                               body=_generate_body(image, prompt, parameters),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            for raw in response:
+                outputs = _sse_outputs(raw.decode("utf-8").strip())
+                if outputs is not None:
+                    yield outputs
+            if response.status != 200:
+                raise TritonRequestError(f"HTTP {response.status}", answered=True)
+        finally:
+            connection.close()  # early: the server sees the connection go
 
     def is_ready(self):
         return self._client.is_server_ready() and self._client.is_model_ready(self._model_name)
@@ -262,6 +397,7 @@ class AsyncClient:
         self.retried = 0
         self._module = _protocol_module(protocol, asynchronous=True)
         self._protocol = protocol
+        self._url = url
         self._model_name = model_name
         self._timeout_s = timeout_s
         self._concurrency = concurrency
@@ -332,6 +468,53 @@ class AsyncClient:
         finally:
             for task in in_flight:
                 task.cancel()
+
+    async def stream(self, image, prompt=None, parameters=None, model_name=STREAM_MODEL_NAME):
+        """As Client.stream, as an async generator; counts against `concurrency`."""
+        state = _StreamState()
+        async with self._limit:
+            if self._protocol == "grpc":
+                responses = self._grpc_stream(image, prompt, parameters, model_name)
+            else:
+                responses = self._http_stream(image, prompt, parameters, model_name)
+            async for outputs in responses:
+                for event in state.events(outputs):
+                    yield event
+
+    async def _grpc_stream(self, image, prompt, parameters, model_name):
+        inputs, _ = _build_inputs(self._module, image, prompt)
+
+        async def requests():
+            yield {"model_name": model_name, "inputs": inputs, "parameters": parameters,
+                   "enable_empty_final_response": True}
+            await asyncio.Event().wait()  # keep the stream open until the answer is complete
+
+        stream = self._client.stream_infer(requests(), stream_timeout=self._timeout_s)
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    raise _request_error(error, self._module, self._timeout_s) from None
+                response = result.get_response()
+                if response.outputs:
+                    yield _grpc_outputs(result)
+                if response.parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            stream.cancel()  # ends the call; the server cancels what still runs
+
+    async def _http_stream(self, image, prompt, parameters, model_name):
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as session:
+            async with session.post(f"http://{self._url}/v2/models/{model_name}/generate_stream",
+                                    data=_generate_body(image, prompt, parameters),
+                                    headers={"Content-Type": "application/json"}) as response:
+                async for raw in response.content:
+                    outputs = _sse_outputs(raw.decode("utf-8").strip())
+                    if outputs is not None:
+                        yield outputs
+                if response.status != 200:
+                    raise TritonRequestError(f"HTTP {response.status}", answered=True)
 
     async def close(self):
         await self._client.close()

@@ -273,7 +273,9 @@ class Describer:
         elif isinstance(exc, (TimeoutError, openai.APIConnectionError)):
             # The aiohttp transport reports a refused or dropped connection as a
             # connect *timeout*; the original exception down the chain tells them apart.
-            refused = _caused_by(exc, aiohttp.ClientConnectionError) and not _caused_by(exc, TimeoutError)
+            # A body cut short (a stream dropped mid-way) is a ClientPayloadError there.
+            refused = (_caused_by(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError))
+                       and not _caused_by(exc, TimeoutError))
             failure = Failure("connection_error" if refused else "timeout", retryable=True)
         else:
             # A 200 whose body is not a chat completion: a proxy or server glitch.

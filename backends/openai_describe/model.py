@@ -5,17 +5,22 @@ modules beside it.
 Two ways to serve, chosen by the model's transaction policy:
 - not decoupled (`describe`): one response per request, so HTTP /infer and
   the classify_and_describe ensemble work;
-- decoupled (`describe_stream`): a stream per request, LABELS and SCORES
-  first, then the description chunk by chunk as the LLM writes it, then
-  DESCRIPTION_SOURCE and USAGE with the final flag (streaming.py).
+- decoupled (`describe_stream`, `classify_and_describe_stream`): a stream
+  per request, LABELS and SCORES first (with `classify_model`, asked of that
+  model for the request's IMAGE), then the description chunk by chunk as the
+  LLM writes it, then DESCRIPTION_SOURCE and USAGE with the final flag
+  (streaming.py; docs/streaming.md).
 Either way the instance never blocks on the network: execute() only
 validates and hands each request to an asyncio loop in its own thread, then
 returns None; that loop sends the responses through the response sender.
 """
 
 import asyncio
+import base64
+import binascii
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -36,6 +41,8 @@ from streaming import describe_stream
 # Without an API key a local endpoint still wants some bearer string.
 NO_KEY_PLACEHOLDER = "no-key-required"
 CLASSIFY_THREADS = 32
+# Streams: threads that send responses and ask Triton about cancellations, off the loop.
+SEND_THREADS = 4
 
 
 class InvalidInput(ValueError):
@@ -75,8 +82,8 @@ class TritonPythonModel:
         self.tasks = set()
         self.loop = asyncio.new_event_loop()
         if s.classify_model:
-            # BLS calls (async_exec) block one executor thread each until the photo is
-            # classified: enough threads to keep the classifier's batches full.
+            # A BLS call blocks one executor thread until the photo is classified:
+            # enough threads to keep the classifier's batches full.
             self.loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(
                 max_workers=CLASSIFY_THREADS, thread_name_prefix=f"{self.model_name}-classify"))
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model_name}-llm", daemon=True)
@@ -88,6 +95,11 @@ class TritonPythonModel:
 
         self.describer = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
         self.flusher = asyncio.run_coroutine_threadsafe(self._flush_metrics(), self.loop)
+        if self.decoupled:
+            self.watched = set()
+            self.send_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=SEND_THREADS, thread_name_prefix=f"{self.model_name}-send")
+            self.watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), self.loop)
         self.log.info(
             f"upstream {s.base_url} model {s.model}; key from {key_source}: "
             f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
@@ -127,6 +139,8 @@ class TritonPythonModel:
                 if pending:
                     await asyncio.wait(pending, timeout=5.0)
             self.flusher.cancel()
+            if self.decoupled:
+                self.watcher.cancel()
             self.metrics.flush()
             await self.describer.aclose()
 
@@ -137,6 +151,8 @@ class TritonPythonModel:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10.0)
         self.loop.close()  # shuts the BLS executor down too
+        if self.decoupled:
+            self.send_pool.shutdown(wait=False)
 
     # -- on the loop thread -----------------------------------------------------------
 
@@ -194,38 +210,43 @@ class TritonPythonModel:
             self.log.error(f"could not send a response: {self.scrub(exc)}")
 
     async def _stream(self, request, work, received):
-        """LABELS and SCORES first, then one response per chunk of the description
+        """LABELS and SCORES first, then the description chunk by chunk
         (DESCRIPTION), then DESCRIPTION_SOURCE and USAGE with the final flag.
         An error before the labels (a photo the classifier refused) is the
         stream's only response; one after them (cancelled, on_failure=error,
         unloading, a bug) its last."""
-        sender = request.get_response_sender()
+        out = _Outbox(request.get_response_sender(), self.loop, self.send_pool)
         stats = self.metrics.stream_started()
-
-        def send(tensors, final=False):
-            sender.send(pb_utils.InferenceResponse(output_tensors=tensors),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
+        cancelled = _Watch(request)
+        self.watched.add(cancelled)
 
         def emit(text):
-            send([_bytes_tensor("DESCRIPTION", [text])])
+            out.text(text)
             stats.chunk(time.monotonic() - received)
 
         response = None
         try:
             if isinstance(work, _PhotoJob):
-                job = await self._classify(work, request.is_cancelled)
+                # One executor thread classifies and sends the labels: no hop back to the loop between.
+                job = await self.loop.run_in_executor(None, self._classify, work, out.sender)
             else:
                 job = work
-            send([pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
-                  pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))])
+                await out.send(_labels_tensors(job))
             stats.labels(time.monotonic() - received)
-            result = await describe_stream(self.describer, job, emit, request.is_cancelled)
+            if cancelled():  # the client left while its photo was classified: no LLM call
+                self.metrics.request_done(None, "cancelled", None)
+                raise Cancelled()
+            result = await describe_stream(self.describer, job, emit, cancelled)
+            await out.drain()
             if result.outcome == "error":  # on_failure=error
                 response = _error_response(f"the LLM upstream could not answer ({result.usage.fallback_reason})",
                                            pb_utils.TritonError.UNAVAILABLE)
             else:
-                send([_bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
-                      _bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
+                if result.usage.chunks is not None:
+                    result.usage.chunks = out.text_responses  # text that came together went out together
+                cancelled.close()
+                await out.send([_bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
+                                _bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
         except _Reject as exc:
             if exc.code == pb_utils.TritonError.INVALID_ARG:
                 self.metrics.request_done(None, "invalid", None)
@@ -239,31 +260,49 @@ class TritonPythonModel:
             self.log.error(f"describe stream failed:\n{self.scrub(traceback.format_exc())}")
             response = _error_response("internal error in the describe step", pb_utils.TritonError.INTERNAL)
         finally:
+            cancelled.close()
+            self.watched.discard(cancelled)
             stats.done(time.monotonic() - received)
         if response is not None:
             try:
-                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                await out.drain()  # nothing may follow the final response
+            except Exception:
+                pass
+            try:
+                await out.send([], error=response)
             except Exception as exc:
                 self.log.error(f"could not send a response: {self.scrub(exc)}")
 
-    async def _classify(self, work, is_cancelled):
-        """LABELS and SCORES of the photo from classify_model (a BLS call on the
-        loop's executor threads), as a Job. Raises _Reject with the classifier's
-        own error (a photo that is not one: INVALID_ARG), Cancelled."""
-        bls = pb_utils.InferenceRequest(
+    async def _watch_cancellations(self):
+        """Refresh every open stream's cancelled flag every cancel_poll_s, in a
+        sender thread: each is_cancelled() is a round trip to Triton, which the
+        loop must not wait on 500 times a poll."""
+        while True:
+            await asyncio.sleep(self.settings.cancel_poll_s)
+            open_streams = [watch for watch in self.watched if not watch.cancelled]
+            if open_streams:
+                try:
+                    await self.loop.run_in_executor(self.send_pool, _poll_cancelled, open_streams)
+                except Exception as exc:  # a failed poll must not end the polling
+                    self.log.error(f"cancellation poll failed: {self.scrub(exc)}")
+
+    def _classify(self, work, sender):
+        """On an executor thread: LABELS and SCORES of the photo from
+        classify_model (BLS), sent as the stream's first response; the Job.
+        Raises _Reject with the classifier's own error (a photo that is not
+        one: INVALID_ARG)."""
+        response = pb_utils.InferenceRequest(
             model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
-            requested_output_names=["LABELS", "SCORES"])
-        response = await bls.async_exec()
+            requested_output_names=["LABELS", "SCORES"]).exec()
         if response.has_error():
             error = response.error()
             code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
             raise _Reject(error.message(), code)
-        if is_cancelled():  # the client left while its photo was classified: no LLM call
-            self.metrics.request_done(None, "cancelled", None)
-            raise Cancelled()
         labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
         scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
-        return self._job(labels[0], scores[0], work.prompt, work.overrides)
+        job = self._job(labels[0], scores[0], work.prompt, work.overrides)
+        sender.send(pb_utils.InferenceResponse(output_tensors=_labels_tensors(job)))
+        return job
 
     # -- on the model thread --------------------------------------------------------
 
@@ -277,7 +316,7 @@ class TritonPythonModel:
         if labels.shape != scores.shape or labels.ndim != 2 or labels.shape[1] == 0:
             raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
                                "must have the same non-empty shape")
-        overrides = self._overrides(request)
+        overrides = self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
         jobs = [self._job(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
                           overrides)
                 for row in range(labels.shape[0])]
@@ -288,15 +327,15 @@ class TritonPythonModel:
     def _photo_job(self, request):
         """A request to a model with classify_model (IMAGE, optional PROMPT): what
         its Job needs besides the labels, checked now (INVALID_ARG as _jobs)."""
+        image = _input(request, "IMAGE")
+        if image is None or image.size != 1:
+            raise InvalidInput("IMAGE is required: one encoded photo per request")
         prompts = _input(request, "PROMPT")
         prompt = prompts.reshape(-1)[0] if prompts is not None else None
         read_prompt(prompt, self.settings.max_prompt_chars)
-        overrides = self._overrides(request)
+        overrides = self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
         self.request_models.admit(overrides[0])
-        return _PhotoJob(_input(request, "IMAGE"), prompt, overrides)
-
-    def _overrides(self, request):
-        return self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+        return _PhotoJob(_photo(image), prompt, overrides)
 
     def _job(self, labels, scores, raw_prompt, overrides):
         row_scores = tuple(float(x) for x in scores)
@@ -311,6 +350,71 @@ class TritonPythonModel:
     def _send_error(self, request, message, code):
         request.get_response_sender().send(
             _error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class _Outbox:
+    """One stream's responses, sent in order from the sender threads so that the
+    loop never waits on Triton (each send is a round trip to the server).
+    Text that comes while an earlier send is still on its way goes out
+    together in the next response: under load a chunk holds several tokens
+    instead of the stream falling behind."""
+
+    def __init__(self, sender, loop, pool):
+        self.sender, self.loop, self.pool = sender, loop, pool
+        self.pending = []
+        self.flushing = None
+        self.text_responses = 0
+
+    def text(self, text):
+        self.pending.append(text)
+        if self.flushing is None or self.flushing.done():
+            self.flushing = self.loop.create_task(self._flush())
+
+    async def _flush(self):
+        while self.pending:
+            text = "".join(self.pending)
+            self.pending.clear()
+            await self.send([_bytes_tensor("DESCRIPTION", [text])])
+            self.text_responses += 1
+
+    async def drain(self):
+        if self.flushing is not None:
+            await self.flushing
+
+    async def send(self, tensors, final=False, error=None):
+        response = error if error is not None else pb_utils.InferenceResponse(output_tensors=tensors)
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final or error is not None else 0
+        await self.loop.run_in_executor(self.pool, functools.partial(self.sender.send, response, flags=flags))
+
+
+class _Watch:
+    """A stream's is_cancelled() as a flag the loop reads for free; the
+    model's watcher refreshes it (_poll_cancelled) until close().
+
+    close() comes before the stream's final response: asking Triton about a
+    request whose final response went out crashes the server (2.51 segfaults
+    in TRITONBACKEND_ResponseFactoryIsCancelled), so the lock keeps a poll
+    and the final send apart."""
+
+    def __init__(self, request):
+        self.request = request
+        self.cancelled = False
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        return self.cancelled
+
+    def close(self):
+        with self.lock:  # waits for at most one poll in progress
+            self.closed = True
+
+
+def _poll_cancelled(watches):
+    for watch in watches:
+        with watch.lock:
+            if not watch.closed:
+                watch.cancelled = watch.request.is_cancelled()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +433,25 @@ class _Reject(Exception):
 def config_parameters(model_config):
     """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
     return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+def _labels_tensors(job):
+    return [pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels]], dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([job.scores], dtype=np.float32))]
+
+
+def _photo(image):
+    """IMAGE as sent, or decoded when it is base64 text: HTTP generate_stream
+    takes JSON only, where a photo can only travel as base64. A photo's own
+    bytes are never all base64 characters, so nothing else is decoded."""
+    raw = image.reshape(-1)[0]
+    if isinstance(raw, (bytes, bytearray)) and raw:
+        try:
+            decoded = base64.b64decode(bytes(raw), validate=True)
+        except binascii.Error:
+            return image
+        return np.array([[decoded]], dtype=np.object_)
+    return image
 
 
 def _input(request, name):
