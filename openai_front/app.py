@@ -164,7 +164,7 @@ async def _stream(request, model, parsed, image):
     or an unavailable server is still an HTTP status; later errors go as an
     `error` event (the openai SDK raises it) and the stream ends without [DONE]."""
     pool = request.app[POOL]
-    async with contextlib.aclosing(pool.stream(model.stream_ensemble, image, parsed.prompt, parsed.parameters)) as events:
+    async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt, parsed.parameters)) as events:
         try:
             answer, text = await events.__anext__()
         except StopAsyncIteration:

@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 class Model:
     id: str
     ensemble: str         # answers stream: false
-    stream_ensemble: str  # answers stream: true (a decoupled ensemble)
+    stream_model: str  # answers stream: true (a decoupled model: docs/streaming.md)
 
 
 @dataclasses.dataclass(frozen=True)

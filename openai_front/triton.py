@@ -128,7 +128,7 @@ class TritonPool:
 
     async def stream(self, model, image, prompt=None, parameters=None):
         """Yield (answer so far, the text chunk it just got) per response of the
-        decoupled ensemble; the stream ends after the model's final response
+        decoupled model; the stream ends after the model's final response
         (one request, then the request side closes)."""
         async def one_request():
             yield {"model_name": model, "inputs": inputs_for(image, prompt), "parameters": parameters or None}

@@ -28,7 +28,7 @@ import tritonclient.grpc as grpcclient
 from tools.local_stack import REPO, free_port, log_tail, stop_process
 
 MODEL = "classify_and_describe"
-STREAM_ENSEMBLE = "classify_and_describe_stream"
+STREAM_MODEL = "classify_and_describe_stream"
 CAT_CLASSES = {"Egyptian cat", "tabby", "tiger cat"}
 FRONT_KEY = "sk-front-DO-NOT-LEAK-4b1d8e"
 SMALL_LIMIT = 1024 * 1024  # the keyed front's OPENAI_FRONT_MAX_IMAGE_BYTES
@@ -187,13 +187,12 @@ def sdk(front):
 
 @pytest.fixture(scope="module")
 def stream_model(triton):
-    """The decoupled streaming ensemble (branch `stream`), if this server has it."""
+    """The decoupled streaming model that answers stream: true (docs/streaming.md)."""
     try:
-        with urllib.request.urlopen(f"http://{triton.http_url}/v2/models/{STREAM_ENSEMBLE}/ready", timeout=5):
-            return STREAM_ENSEMBLE
-    except OSError:
-        pytest.skip(f"{STREAM_ENSEMBLE} is not in model_repository/ yet (the streaming ensemble of branch `stream`):"
-                    " stream: true cannot be answered")
+        with urllib.request.urlopen(f"http://{triton.http_url}/v2/models/{STREAM_MODEL}/ready", timeout=5):
+            return STREAM_MODEL
+    except OSError as error:
+        pytest.fail(f"{STREAM_MODEL} is not ready on the test server ({error}): stream: true cannot be answered")
 
 
 # -- answers --------------------------------------------------------------------

@@ -194,7 +194,7 @@ def test_triton_errors_become_the_status_a_client_acts_on(error, status):
 def test_settings_from_the_environment(tmp_path):
     defaults = settings.from_environ({})
     assert (defaults.host, defaults.port, defaults.triton_grpc_url, defaults.api_key) == ("127.0.0.1", 8003, "127.0.0.1:8001", None)
-    assert defaults.model("classify_and_describe").stream_ensemble == "classify_and_describe_stream"
+    assert defaults.model("classify_and_describe").stream_model == "classify_and_describe_stream"
     assert defaults.model("gpt-4o") is None
     given = settings.from_environ({"LISTEN_ADDRESS": "0.0.0.0", "OPENAI_PORT": "9003", "OPENAI_FRONT_API_KEY": " k1 ",
                                    "OPENAI_FRONT_IMAGE_URL_ALLOWLIST": "A.example.com, b.example.com,"}, port=7003)
