@@ -24,6 +24,8 @@ COPY model_repository/ /models/
 # What ships besides: the supervisor and the stub watchdog (serving/, standard
 # library only); the classifier export and its GPU config run once at build time.
 COPY serving/ serving/
+# The OpenAI-compatible front the supervisor starts beside the server (port 8003).
+COPY openai_front/ openai_front/
 COPY scripts/export_classifier.py scripts/export_onnx.py scripts/make_gpu_config.py scripts/
 
 # The TorchScript file, labels and the ONNX files (fp32; int8 calibrated on photos that
@@ -39,7 +41,7 @@ RUN set -a && . ./versions.env && set +a \
  && rm -rf /tmp/downloads \
  && python3 scripts/make_gpu_config.py /models/classifier/config.pbtxt
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 8003
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
   CMD ["curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"]
 
@@ -51,6 +53,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
 # shared memory, logging, trace) to callers with the admin key:
 # TRITON_ADMIN_KEY_FILE or TRITON_ADMIN_KEY, else one it generates into
 # /tmp/triton-admin-key (`docker exec <container> cat /tmp/triton-admin-key`).
+# It also starts the OpenAI-compatible front (openai_front/, port OPENAI_PORT=8003;
+# OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE require a key, OPENAI_FRONT=0 turns it off).
 # It is what `make run` runs too. All interfaces, on purpose: published ports
 # and the pod network reach the container from outside.
 CMD ["/opt/classify_describe/serving/supervise_tritonserver.sh", "tritonserver", "--model-repository=/models", "--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=30", "--http-address=0.0.0.0", "--grpc-address=0.0.0.0", "--metrics-address=0.0.0.0"]

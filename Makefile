@@ -1,6 +1,6 @@
 # Triton model package: image classification + LLM description.
 #   make build   venv, Triton server, backend directory, model artifacts
-#   make run     serve model_repository/ natively on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002)
+#   make run     serve model_repository/ natively on 127.0.0.1 (HTTP 8000, gRPC 8001, metrics 8002, OpenAI 8003)
 #   make demo    start the server, classify and describe docs/sample/coffee.png, stop it
 #   make test    build, then unit + integration tests against a real server
 # Every version comes from versions.env.
@@ -31,6 +31,7 @@ PERF_DIR   := $(BUILD)/perf_analyzer
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT  ?= 8003
 IMAGE_NAME   ?= triton-classify-describe:latest
 
 # Stamps make `make build` quick when nothing changed.
@@ -43,12 +44,14 @@ BACKEND_STAMP := $(BACKEND_DIR)/.linked
 help:
 	@echo "make build          venv + Triton $(TRITON_VERSION) + backends + model artifacts"
 	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
+	@echo "                    and the OpenAI-compatible front beside it (OPENAI_PORT=$(OPENAI_PORT))"
 	@echo "                    on 127.0.0.1; LISTEN_ADDRESS=0.0.0.0 exposes it. Load/unload, shared memory, logging"
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
 	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
+	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
@@ -99,7 +102,7 @@ $(GPU_CONFIG): scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt | $(VENV_ST
 	$(PY) scripts/make_gpu_config.py $(CLASSIFIER)/config.pbtxt $@
 
 run: build
-	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
+	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) OPENAI_PORT=$(OPENAI_PORT) LISTEN_ADDRESS=$(LISTEN_ADDRESS) scripts/serve.sh
 
 # A first answer: scripts/serve.sh on 127.0.0.1, one request with the sample
 # photo through the repository's client, then the server stopped by its PID.
@@ -132,8 +135,8 @@ docker-build:
 
 docker-run:
 	docker run --rm --gpus all --shm-size=1g \
-	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 \
-	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY $(IMAGE_NAME)
+	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 -p $(OPENAI_PORT):8003 \
+	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY -e OPENAI_FRONT_API_KEY $(IMAGE_NAME)
 
 clean:
 	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
@@ -156,6 +159,14 @@ bench: build perf-analyzer
 
 bench-quick: build perf-analyzer
 	$(PY) -m tools.bench.run --mode quick --results $(BUILD)/bench/quick/results.json
+
+# The OpenAI-compatible front against tritonclient gRPC directly, side by side in
+# one run (fake LLM 0 ms): added p50 latency and throughput at the saturating
+# concurrency -> docs/results/openai-front-<UTC time>.json and its section of
+# docs/benchmarks.md (about 3 minutes).
+.PHONY: bench-openai
+bench-openai: build
+	$(PY) -m tools.bench.openai_front $(BENCH_OPENAI_ARGS)
 
 # Streaming (tools/bench/streaming.py): time to labels vs classify, time to first token vs the
 # SDK direct, 500 concurrent streams, perf_analyzer --streaming; about 3 minutes.

@@ -4,6 +4,7 @@
 #
 # Environment (all optional):
 #   HTTP_PORT=8000 GRPC_PORT=8001 METRICS_PORT=8002
+#   OPENAI_PORT=8003      the OpenAI-compatible front (openai_front/; OPENAI_FRONT=0: none)
 #   LISTEN_ADDRESS=127.0.0.1  where HTTP, gRPC and metrics listen: this host only;
 #                         0.0.0.0 exposes them on every interface (the control
 #                         APIs stay restricted, see below)
@@ -43,7 +44,9 @@ done
 
 # The same address the server will bind: a port taken on another interface
 # does not stop a loopback server, and one taken on loopback stops 0.0.0.0.
-for port in "$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT"; do
+ports=("$HTTP_PORT" "$GRPC_PORT" "$METRICS_PORT")
+[[ "${OPENAI_FRONT:-1}" == "0" ]] || ports+=("${OPENAI_PORT:-8003}")
+for port in "${ports[@]}"; do
   if ! "$venv_python" -c 'import errno, socket, sys
 address, port = sys.argv[1], int(sys.argv[2])
 s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
@@ -52,7 +55,7 @@ try:
     s.bind((address, port))
 except OSError as error:
     print(f"serve: port {port} is already in use on {address}; pick free ones, e.g."
-          " HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002 make run" if error.errno == errno.EADDRINUSE
+          " HTTP_PORT=9000 GRPC_PORT=9001 METRICS_PORT=9002 OPENAI_PORT=9003 make run" if error.errno == errno.EADDRINUSE
           else f"serve: cannot listen on {address}:{port} (LISTEN_ADDRESS): {error.strerror}", file=sys.stderr)
     sys.exit(1)' "$LISTEN_ADDRESS" "$port"; then
     exit 1

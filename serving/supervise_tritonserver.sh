@@ -34,7 +34,12 @@
 #   READY_TIMEOUT=300           seconds to wait for /v2/health/ready before saying so
 #   STUB_WATCHDOG=1             0: no watchdog (see serving/stub_watchdog.py)
 #   STUB_WATCHDOG_INTERVAL_S=1
-# Needs a python3 on PATH (standard library only).
+#   OPENAI_FRONT=1              0: no OpenAI-compatible front (openai_front/, beside
+#                               serving/; needs aiohttp and tritonclient[grpc])
+#   OPENAI_PORT=8003            its port, on the HTTP endpoint's address; it talks to
+#                               this server's gRPC port. OPENAI_FRONT_API_KEY(_FILE)
+#                               and the rest: openai_front/settings.py
+# Needs a python3 on PATH (standard library only, but for the front).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 [[ $# -ge 1 ]] || { echo "usage: $0 <tritonserver> [args...]" >&2; exit 2; }
@@ -60,18 +65,21 @@ case "$http_address" in
   *) http_host="$http_address" ;;
 esac
 
-server_pid="" watchdog_pid=""
+server_pid="" watchdog_pid="" front_pid=""
 stop() {
   trap - INT TERM
   # The watchdog reloads nothing from now on, and once the server is gone it
   # stops any stub process left running (see serving/stub_watchdog.py).
   [[ -z "$watchdog_pid" ]] || kill -USR1 "$watchdog_pid" 2>/dev/null || true
+  # The front first: it only forwards to the server, which drains what it was sent.
+  [[ -z "$front_pid" ]] || kill -TERM "$front_pid" 2>/dev/null || true
   if [[ -n "$server_pid" ]]; then
     echo "serve: stopping tritonserver (pid $server_pid)" >&2
     kill -TERM "$server_pid" 2>/dev/null || true
     wait "$server_pid" 2>/dev/null || true
   fi
   [[ -z "$watchdog_pid" ]] || wait "$watchdog_pid" 2>/dev/null || true
+  [[ -z "$front_pid" ]] || wait "$front_pid" 2>/dev/null || true
   exit 0
 }
 # Set before anything starts: a TERM that comes early still stops what did start.
@@ -127,8 +135,23 @@ if [[ "${STUB_WATCHDOG:-1}" != "0" ]]; then
   watchdog_pid=$!
 fi
 
-python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" \
-  "HTTP $http_address:$http_port  gRPC $grpc_address:$grpc_port  metrics http://$metrics_address:$metrics_port/metrics" <<'PY' &
+where="HTTP $http_address:$http_port  gRPC $grpc_address:$grpc_port  metrics http://$metrics_address:$metrics_port/metrics"
+if [[ "${OPENAI_FRONT:-1}" != "0" ]]; then
+  # The OpenAI-compatible front (openai_front/) on the HTTP endpoint's address,
+  # talking to this server over gRPC; it stops with the server (stop() above).
+  case "$grpc_address" in
+    0.0.0.0) grpc_host=127.0.0.1 ;;
+    ::) grpc_host="[::1]" ;;
+    *:*) grpc_host="[$grpc_address]" ;;
+    *) grpc_host="$grpc_address" ;;
+  esac
+  PYTHONPATH="$(dirname "$here")" python3 -m openai_front --host "$http_address" --port "${OPENAI_PORT:-8003}" \
+    --triton-grpc-url "$grpc_host:$grpc_port" &
+  front_pid=$!
+  where="$where  OpenAI http://$http_address:${OPENAI_PORT:-8003}/v1"
+fi
+
+python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" "$where" <<'PY' &
 import os, sys, time, urllib.request
 host, http, timeout, pid, where = sys.argv[1:]
 deadline = time.monotonic() + float(timeout)
@@ -152,5 +175,6 @@ set +e
 wait "$server_pid"
 status=$?
 [[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
+[[ -n "$front_pid" ]] && kill -TERM "$front_pid" 2>/dev/null && wait "$front_pid" 2>/dev/null
 echo "serve: tritonserver exited with status $status" >&2
 exit "$status"

@@ -156,7 +156,8 @@ def supervised(command, env, tmp_path, stand_in):
     """Run a container command (supervisor path as in the image) on this machine."""
     assert command[:2] == [SUPERVISOR, "tritonserver"], command[:2]
     command = [str(REPO / "serving/supervise_tritonserver.sh"), *command[1:]]
-    env = {"PATH": f"{stand_in}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), **env}
+    # OPENAI_FRONT=0: the front would take port 8003 on every interface; tests/test_serve_script.py covers it.
+    env = {"PATH": f"{stand_in}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), "OPENAI_FRONT": "0", **env}
     return Run(command, env, tmp_path / "received.json", tmp_path / "supervisor.log")
 
 
@@ -232,7 +233,8 @@ def refused_start(tmp_path, stand_in, env):
     """Run the supervisor expecting it to refuse; (status, stderr). Whatever it
     started instead is stopped with its process group."""
     process = subprocess.Popen([str(REPO / "serving/supervise_tritonserver.sh"), *dockerfile_cmd()[1:]],
-                               env={"PATH": f"{stand_in}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), **env},
+                               env={"PATH": f"{stand_in}:{os.environ['PATH']}", "TMPDIR": str(tmp_path),
+                                    "OPENAI_FRONT": "0", **env},
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, stderr = process.communicate(timeout=10)
@@ -281,7 +283,7 @@ def checkout_with_a_stand_in(tmp_path):
 
 def serve(tree, tmp_path, **env):
     ports = {"HTTP_PORT": str(local_stack.free_port()), "GRPC_PORT": str(local_stack.free_port()),
-             "METRICS_PORT": str(local_stack.free_port())}
+             "METRICS_PORT": str(local_stack.free_port()), "OPENAI_FRONT": "0"}
     return Run([str(tree / "scripts/serve.sh")], {"PATH": os.environ["PATH"], **ports, **env},
                tmp_path / "received.json", tmp_path / "serve.log")
 
@@ -312,7 +314,7 @@ def test_the_port_check_binds_the_address_the_server_will(tmp_path):
         port = str(taken.getsockname()[1])
         refused = subprocess.run([str(tree / "scripts/serve.sh")], capture_output=True, text=True, timeout=60,
                                  env={"PATH": os.environ["PATH"], "HTTP_PORT": port, "GRPC_PORT": "0",
-                                      "METRICS_PORT": "0", "LISTEN_ADDRESS": "0.0.0.0"})
+                                      "METRICS_PORT": "0", "LISTEN_ADDRESS": "0.0.0.0", "OPENAI_FRONT": "0"})
         assert refused.returncode == 1 and f"port {port} is already in use on 0.0.0.0" in refused.stderr
         run = serve(tree, tmp_path, HTTP_PORT=port)
     assert run.flag("--http-port") == port and run.flag("--http-address") == "127.0.0.1"

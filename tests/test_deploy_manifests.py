@@ -33,6 +33,7 @@ DEPLOYMENT = "classify-describe"
 CONTAINER = "tritonserver"
 KEY_SECRET = "classify-describe-llm-key"
 ADMIN_KEY_SECRET = "classify-describe-admin-key"
+OPENAI_KEY_SECRET = "classify-describe-openai-key"
 PROBE_PATHS = {"live": "/v2/health/live", "ready": "/v2/health/ready"}
 
 
@@ -322,9 +323,9 @@ def check_admin_key_is_an_optional_secret_file(container, spec):
 def test_probes_point_at_tritons_health_endpoints(overlay):
     _, docs = overlay
     container = server_container(docs)
-    check_probes(container, {8000: "http", 8001: "grpc", 8002: "metrics"})
+    check_probes(container, {8000: "http", 8001: "grpc", 8002: "metrics", 8003: "openai"})
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == \
-        {"http": 8000, "grpc": 8001, "metrics": 8002}
+        {"http": 8000, "grpc": 8001, "metrics": 8002, "openai": 8003}
     startup = container["startupProbe"]
     # Model loading (torch import, TorchScript load, the load-time check) must fit.
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
@@ -365,6 +366,32 @@ def test_llm_settings_from_configmap_and_key_from_a_secret_file(overlay):
 def test_admin_key_from_an_optional_secret_file(overlay):
     _, docs = overlay
     check_admin_key_is_an_optional_secret_file(server_container(docs), pod_spec(by_kind(docs, "Deployment")))
+
+
+def test_the_openai_front_has_its_port_and_its_key_from_an_optional_secret_file(overlay):
+    """The supervisor starts the front on OPENAI_PORT (default 8003) beside the
+    server: the container names that port, the Service and the ServiceMonitor
+    reach it, and the clients' key is a file of an optional Secret (without it
+    the front is open, as documented)."""
+    _, docs = overlay
+    container = server_container(docs)
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env.get("OPENAI_PORT", {}).get("value", "8003") == "8003" and env.get("OPENAI_FRONT", {}).get("value") != "0"
+    assert "OPENAI_FRONT_API_KEY" not in env
+    key_path = pathlib.PurePosixPath(env["OPENAI_FRONT_API_KEY_FILE"]["value"])
+    volume, mount = secret_file_mounts(container, pod_spec(by_kind(docs, "Deployment"))).get(key_path, ({}, {}))
+    assert mount.get("readOnly") and volume["secret"]["secretName"] == OPENAI_KEY_SECRET
+    assert volume["secret"].get("optional") is True
+    example = load_docs(DEPLOY / "base/openai-front-key.secret.example.yaml")[0]
+    assert example["metadata"]["name"] == OPENAI_KEY_SECRET
+    assert {i["key"] for i in volume["secret"]["items"]} <= example["stringData"].keys()
+    service_ports = {p["name"]: (p["port"], p["targetPort"]) for p in by_kind(docs, "Service")["spec"]["ports"]}
+    assert service_ports["openai"] == (8003, "openai")
+    monitor = load_docs(DEPLOY / "monitoring/servicemonitor.yaml")[0]
+    assert {"port": "openai", "path": "/metrics"}.items() <= next(
+        e for e in monitor["spec"]["endpoints"] if e["port"] == "openai").items()
+    assert "EXPOSE 8000 8001 8002 8003" in (REPO / "Dockerfile").read_text()
+    assert "COPY openai_front/ openai_front/" in (REPO / "Dockerfile").read_text().splitlines()
 
 
 def test_shared_memory_is_memory_backed_and_fits_the_limit(overlay):

@@ -8,6 +8,9 @@ Python file's imports (README.md, "What runs where"):
   library and itself: the container's system Python runs it;
 - classify_describe/ (the pip-installable client) imports only the standard
   library, its declared dependencies and itself;
+- openai_front/ (ships in the image, started by the supervisor) imports only
+  the standard library, the runtime requirements it talks through (aiohttp,
+  tritonclient, grpc, numpy) and itself: no model code, no image decoding;
 - nothing outside tests/ imports tests/, and shipped code never imports tools/;
 - no file edits sys.path: the layout and pytest's `pythonpath` (pyproject.toml)
   say where modules come from.
@@ -22,7 +25,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BACKENDS = sorted(p.parent for p in (REPO / "backends").glob("*/model.py"))
 BACKEND_MODULES = {p.stem for b in BACKENDS for p in b.rglob("*.py")}
-REPO_PACKAGES = {"serving", "tools", "tests", "scripts", "classify_describe", "backends"}
+REPO_PACKAGES = {"serving", "tools", "tests", "scripts", "classify_describe", "backends", "openai_front"}
 # serving/ runs under the container's system Python (3.10 in the NGC 24.10 image):
 # modules that came later do not count as standard library there.
 STDLIB = set(sys.stdlib_module_names) - {"tomllib", "_tomllib", "wsgiref.types"}
@@ -52,7 +55,7 @@ def first_party(names):
 
 def test_the_layout_has_the_folders_the_rules_name():
     assert BACKENDS and {"openai_describe", "image_preprocess", "torchscript_classifier"} <= {b.name for b in BACKENDS}
-    for folder in ("serving", "tools", "scripts", "tests", "classify_describe", "model_repository"):
+    for folder in ("serving", "tools", "scripts", "tests", "classify_describe", "model_repository", "openai_front"):
         assert (REPO / folder).is_dir(), folder
 
 
@@ -77,8 +80,15 @@ def test_the_client_imports_only_itself_and_its_declared_dependencies():
         assert not other, f"{path.relative_to(REPO)} imports {sorted(other)}; declare it in pyproject.toml"
 
 
+def test_the_openai_front_talks_to_triton_and_nothing_else():
+    allowed = STDLIB | {"openai_front", ".", "aiohttp", "tritonclient", "grpc", "numpy"}
+    for path in python_files("openai_front"):
+        other = imported(path) - allowed
+        assert not other, f"{path.relative_to(REPO)} imports {sorted(other)}: the front forwards to Triton, nothing more"
+
+
 def test_nothing_imports_tests_and_shipped_code_never_imports_tools():
-    for path in python_files("backends", "serving", "classify_describe", "tools", "scripts"):
+    for path in python_files("backends", "serving", "classify_describe", "openai_front", "tools", "scripts"):
         names = imported(path)
         assert not names & ({"tests"} | TEST_MODULES), f"{path.relative_to(REPO)} imports tests/"
         if path.parts[len(REPO.parts)] != "tools":

@@ -33,6 +33,19 @@ def test_a_taken_port_is_named_with_a_way_out(tmp_path):
     assert "HTTP_PORT=" in run.stderr
 
 
+def test_a_taken_openai_port_is_named_too(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([str(REPO / "scripts/serve.sh")], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin", "HTTP_PORT": "0", "GRPC_PORT": "0", "METRICS_PORT": "0",
+                                  "OPENAI_PORT": str(port)})
+    assert run.returncode == 1
+    assert f"port {port} is already in use" in run.stderr
+    assert "OPENAI_PORT=" in run.stderr
+
+
 def test_a_missing_build_says_to_run_make_build(tmp_path):
     run = subprocess.run([str(REPO / "scripts/serve.sh")], cwd=REPO, capture_output=True,
                          text=True, timeout=60,
@@ -67,6 +80,17 @@ sys.exit(3)
 '''
 
 
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# The front (python3 -m openai_front) needs aiohttp and tritonclient: the venv's
+# python3 first on PATH, as serve.sh puts it (the container's system Python has them).
+VENV_PATH = f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}"
+
+
 def cmdline(pid):
     """A child's command line, or "" once it has exited (the readiness check
     exits right after printing READY)."""
@@ -88,9 +112,7 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
     exits 3 after TERM, which the supervisor passes on as its own stop. The
     READY line names the addresses the server binds; the readiness check and
     the watchdog reach it on loopback when it binds every interface."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        http_port = probe.getsockname()[1]
+    http_port, openai_port = free_port(), free_port()
     marker = tmp_path / "got_term"
     (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
     supervisor = subprocess.Popen(
@@ -99,7 +121,8 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
         # Started from elsewhere, as in the container (WORKDIR is not the repository):
         # the watchdog (`python3 -m serving.stub_watchdog`) must find its package.
         cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})
+        env={"PATH": VENV_PATH, "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path),
+             "OPENAI_PORT": str(openai_port)})
     # Whatever goes wrong, the test ends: its whole process group (the supervisor,
     # the stand-in and the watchdog, all started here) is killed after 60 s.
     deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
@@ -110,6 +133,20 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
                 break
         http_at, grpc_at, metrics_at = shown
         assert f"HTTP {http_at}:{http_port}  gRPC {grpc_at}:7001  metrics http://{metrics_at}:7002/metrics" in line
+        assert f"OpenAI http://{http_at}:{openai_port}/v1" in line
+        fronts = [pid for pid in procfs.children(supervisor.pid) if "openai_front" in cmdline(pid)]
+        assert len(fronts) == 1, "the OpenAI front runs beside the server"
+        front_cmdline = cmdline(fronts[0]).split("\0")
+        assert front_cmdline[-7:-1] == ["--host", http_at, "--port", str(openai_port), "--triton-grpc-url",
+                                      f"{reached if grpc_at == '0.0.0.0' else grpc_at}:7001"]
+        health_deadline = time.monotonic() + 30
+        while True:  # it listens once its imports are done
+            try:
+                assert procfs.http_json(f"http://{reached}:{openai_port}/health", timeout=2) == {"status": "ok"}
+                break
+            except OSError:
+                assert time.monotonic() < health_deadline, "the front did not answer /health"
+                time.sleep(0.2)
         watchdogs = [pid for pid in procfs.children(supervisor.pid) if "serving.stub_watchdog" in cmdline(pid)]
         assert len(watchdogs) == 1, "the stub watchdog runs beside the server"
         watchdog_cmdline = cmdline(watchdogs[0]).split("\0")
@@ -126,6 +163,7 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
     assert marker.read_text() == "TERM", "TERM reaches the server"
     assert "stopping tritonserver" in rest
     assert not pathlib.Path(f"/proc/{watchdogs[0]}").exists(), "the watchdog stops with the server"
+    assert not pathlib.Path(f"/proc/{fronts[0]}").exists(), "the front stops with the server"
 
 
 def test_a_term_at_any_moment_of_startup_leaves_nothing_running(tmp_path):
@@ -134,14 +172,13 @@ def test_a_term_at_any_moment_of_startup_leaves_nothing_running(tmp_path):
     right after it was created). Nothing of the process group may survive."""
     (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
     for delay_s in (0.0, 0.1, 0.3):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            http_port = probe.getsockname()[1]
+        http_port = free_port()
         supervisor = subprocess.Popen(
             [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
              str(tmp_path / "got_term"), f"--http-port={http_port}"],
             stderr=subprocess.DEVNULL, start_new_session=True,
-            env={"PATH": os.environ["PATH"], "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path)})
+            env={"PATH": VENV_PATH, "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path),
+                 "OPENAI_PORT": str(free_port())})
         time.sleep(delay_s)
         supervisor.send_signal(signal.SIGTERM)
         try:

@@ -127,6 +127,7 @@ class TritonServer:
     def __init__(self, workdir, env=None, repository=None, log_path=None, command_prefix=()):
         self.workdir = pathlib.Path(workdir)
         self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.openai_port = free_port()  # the OpenAI-compatible front the supervisor starts beside it
         if repository is None:
             repository = self.workdir / "model_repository"
             if not repository.exists():
@@ -142,7 +143,8 @@ class TritonServer:
     @property
     def env(self):
         env = dict(os.environ, HTTP_PORT=str(self.http_port), GRPC_PORT=str(self.grpc_port),
-                   METRICS_PORT=str(self.metrics_port), MODEL_REPOSITORY=str(self.repository))
+                   METRICS_PORT=str(self.metrics_port), OPENAI_PORT=str(self.openai_port),
+                   MODEL_REPOSITORY=str(self.repository))
         for key, value in self.extra_env.items():
             if value is None:
                 env.pop(key, None)
@@ -177,6 +179,10 @@ class TritonServer:
     @property
     def grpc_url(self):
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def openai_base_url(self):
+        return f"http://127.0.0.1:{self.openai_port}/v1"
 
     @property
     def metrics_url(self):

@@ -1,0 +1,40 @@
+"""python -m openai_front [--host H] [--port P] [--triton-grpc-url HOST:PORT]
+Settings otherwise from the environment (openai_front/settings.py)."""
+
+import argparse
+import logging
+import sys
+
+from aiohttp import web
+
+from . import settings as front_settings
+from .app import create_app
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m openai_front", description=__doc__)
+    parser.add_argument("--host", help="address to listen on (OPENAI_ADDRESS, LISTEN_ADDRESS; default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (OPENAI_PORT; default 8003)")
+    parser.add_argument("--triton-grpc-url", help="Triton's gRPC endpoint (TRITON_GRPC_URL; default 127.0.0.1:8001)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        settings = front_settings.from_environ(host=args.host, port=args.port, triton_grpc_url=args.triton_grpc_url)
+    except front_settings.ConfigError as error:
+        print(f"openai_front: {error}", file=sys.stderr)
+        return 2
+    if settings.api_key:
+        auth = f"requests need 'Authorization: Bearer <key>', the key {settings.api_key_source}"
+    else:
+        auth = (f"OPEN: no API key (OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE; key: {settings.api_key_source}),"
+                " every client that reaches the port is served")
+    urls = ", ".join(sorted(settings.image_url_allowlist)) or "none (data: URIs only)"
+    print(f"openai_front: http://{settings.host}:{settings.port}/v1 -> Triton gRPC {settings.triton_grpc_url}; "
+          f"{auth}; image URLs from: {urls}", file=sys.stderr, flush=True)
+    web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
+                shutdown_timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The aiohttp application: routes, auth, the translation of one chat
+request into one Triton request (or stream), and errors in OpenAI's format."""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from . import chat, responses
+from .errors import FrontError, invalid, too_large
+from .metrics import Metrics
+from .triton import TritonPool
+
+log = logging.getLogger("openai_front")
+OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # no key needed: probes and Prometheus
+SETTINGS, POOL, METRICS, FETCHER = (web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher"))
+
+
+def create_app(settings):
+    # The largest body: a data: URI of the largest image (base64: 4/3) plus the rest of the JSON.
+    app = web.Application(client_max_size=settings.max_image_bytes * 4 // 3 + 1024 * 1024,
+                          middlewares=[_errors_and_auth])
+    app[SETTINGS] = settings
+    app[METRICS] = Metrics(m.id for m in settings.models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health/ready", ready)
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    return app
+
+
+async def _start(app):
+    settings = app[SETTINGS]
+    app[POOL] = TritonPool(settings.triton_grpc_url, settings.grpc_channels, settings.timeout_s)
+    app[FETCHER] = None
+    if settings.image_url_allowlist:
+        app[FETCHER] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=settings.remote_fetch_timeout_s))
+
+
+async def _stop(app):
+    await app[POOL].close()
+    if app[FETCHER] is not None:
+        await app[FETCHER].close()
+
+
+def error_response(error):
+    return web.Response(status=error.status, body=error.json_bytes(), content_type="application/json",
+                        headers=error.headers())
+
+
+def _authorized(request, key):
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+@web.middleware
+async def _errors_and_auth(request, handler):
+    """Every answer in OpenAI's error format, also aiohttp's own (404, 405,
+    413); everything but the probes and metrics needs the key when one is
+    configured (a list of what is open, so no spelling of a path slips past)."""
+    key = request.app[SETTINGS].api_key
+    if key and request.path not in OPEN_PATHS and not _authorized(request, key):
+        error = FrontError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+        request.app[METRICS].error(error.status, error.code)
+        return error_response(error)
+    try:
+        return await handler(request)
+    except FrontError as error:
+        request.app[METRICS].error(error.status, error.code)
+        return error_response(error)
+    except web.HTTPRequestEntityTooLarge:
+        error = too_large("the request body is larger than the largest image allowed")
+    except web.HTTPException as http:
+        if http.status < 400:
+            raise
+        error = FrontError(http.status, f"{request.method} {request.path}: {http.reason}",
+                           code="not_found" if http.status == 404 else None)
+    except Exception as bug:  # noqa: BLE001 - a bug answers that request alone, in OpenAI's format
+        # The type and message only: a traceback's locals could hold the request (or a key).
+        log.error("openai_front: unexpected %s: %s", type(bug).__name__, bug)
+        error = FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
+    request.app[METRICS].error(error.status, error.code)
+    return error_response(error)
+
+
+async def _read_json(request):
+    try:
+        return json.loads(await request.read())
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: absurd nesting
+        raise invalid("the request body is not valid JSON") from None
+
+
+async def _fetch_image(app, url):
+    """An allowlisted URL's bytes (chat.check_remote_url ran first). Redirects
+    are not followed: they could lead off the allowlist."""
+    limit = app[SETTINGS].max_image_bytes
+    try:
+        async with app[FETCHER].get(url, allow_redirects=False) as response:
+            if response.status != 200:
+                raise invalid(f"fetching the image URL answered HTTP {response.status}")
+            data = bytearray()
+            # read(n) returns what has arrived, up to n bytes: loop to the end or past the limit.
+            while len(data) <= limit:
+                chunk = await response.content.read(limit + 1 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+        raise invalid(f"fetching the image URL failed ({type(error).__name__})") from None
+    if len(data) > limit:
+        raise too_large(f"the image at the URL is more than the {limit} bytes allowed")
+    return bytes(data)
+
+
+def _model(settings, model_id):
+    model = settings.model(model_id)
+    if model is None:
+        raise FrontError(404, f"The model '{model_id[:100]}' does not exist; GET /v1/models lists the models",
+                         param="model", code="model_not_found")
+    return model
+
+
+async def chat_completions(request):
+    app, started = request.app, time.monotonic()
+    settings, metrics = app[SETTINGS], app[METRICS]
+    model_id, stream, status, usage = None, False, 500, None
+    metrics.in_flight += 1
+    try:
+        parsed = chat.parse(await _read_json(request), settings.max_image_bytes, settings.image_url_allowlist)
+        model_id, stream = parsed.model, parsed.stream
+        model = _model(settings, parsed.model)
+        image = parsed.image if parsed.image is not None else await _fetch_image(app, parsed.image_url)
+        if parsed.stream:
+            response, usage, status = await _stream(request, model, parsed, image)
+            return response
+        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, parsed.parameters)
+        usage, status = answer.usage, 200
+        return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
+    except FrontError as error:
+        status = error.status
+        if status >= 500:
+            log.warning("openai_front: %s %s", status, error.message)
+        raise
+    finally:
+        metrics.in_flight -= 1
+        metrics.observe(model_id, stream, status, time.monotonic() - started, usage)
+
+
+async def _stream(request, model, parsed, image):
+    """Wait for the first response before the headers go out, so a bad image
+    or an unavailable server is still an HTTP status; later errors go as an
+    `error` event (the openai SDK raises it) and the stream ends without [DONE]."""
+    pool = request.app[POOL]
+    async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt, parsed.parameters)) as events:
+        try:
+            answer, text = await events.__anext__()
+        except StopAsyncIteration:
+            raise FrontError(502, "the pipeline ended the stream without an answer", type="server_error",
+                             code="server_error") from None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        try:
+            await response.prepare(request)
+            chunks = responses.ChunkWriter(responses.completion_id(), model.id, parsed.include_usage)
+            await response.write(chunks.first(answer.labels, answer.scores))
+            if text:
+                await response.write(chunks.text(text))
+            try:
+                async for _same_answer, text in events:  # one Answer, filled in as responses come
+                    if text:
+                        await response.write(chunks.text(text))
+            except FrontError as error:
+                request.app[METRICS].error(error.status, error.code)
+                log.warning("openai_front: stream failed after it started: %s", error.message)
+                await response.write(responses.sse(error.body()))
+                await response.write_eof()
+                return response, None, error.status
+            await response.write(chunks.last(answer.source, answer.usage))
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client left: leaving this block closes `events`, which cancels
+            # the gRPC stream, and the streaming model stops its LLM call.
+            request.app[METRICS].error(499, "client_closed_request")
+            return response, None, 499
+        return response, answer.usage, 200
+
+
+async def list_models(request):
+    return web.json_response(responses.models_list(request.app[SETTINGS].models))
+
+
+async def get_model(request):
+    model = _model(request.app[SETTINGS], request.match_info["model"])
+    return web.json_response(responses.models_list([model])["data"][0])
+
+
+async def metrics(request):
+    return web.Response(text=request.app[METRICS].render(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def health(request):
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request):
+    if await request.app[POOL].is_ready():
+        return web.json_response({"status": "ready"})
+    return web.json_response({"status": "triton not ready"}, status=503)

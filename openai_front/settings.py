@@ -1,0 +1,119 @@
+"""The front's settings, from the environment (and command-line overrides in
+__main__). Every name is documented in the README's OpenAI section.
+
+  OPENAI_PORT=8003, OPENAI_ADDRESS (default LISTEN_ADDRESS, else 127.0.0.1)
+  TRITON_GRPC_URL=127.0.0.1:8001       where Triton's gRPC endpoint is
+  OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE   the key clients send as
+                                       `Authorization: Bearer <key>`; without
+                                       one the front is open (and says so)
+  OPENAI_FRONT_IMAGE_URL_ALLOWLIST     comma-separated host names whose
+                                       http(s) image URLs may be fetched;
+                                       empty (default): data: URIs only
+  OPENAI_FRONT_MAX_IMAGE_BYTES=20971520  the preprocess step's own limit
+  OPENAI_FRONT_GRPC_CHANNELS=2         gRPC channels to Triton, used in turn
+  OPENAI_FRONT_TIMEOUT_S=60            one request's deadline at Triton
+"""
+
+import dataclasses
+import os
+
+# The model ids clients may ask for, and the ensembles behind them.
+MODELS = {"classify_and_describe": ("classify_and_describe", "classify_and_describe_stream")}
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    id: str
+    ensemble: str         # answers stream: false
+    stream_model: str  # answers stream: true (a decoupled model: docs/streaming.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8003
+    triton_grpc_url: str = "127.0.0.1:8001"
+    api_key: str = dataclasses.field(default=None, repr=False)  # never printed
+    api_key_source: str = ""
+    image_url_allowlist: frozenset = frozenset()
+    max_image_bytes: int = 20 * 1024 * 1024
+    grpc_channels: int = 2
+    timeout_s: float = 60.0
+    remote_fetch_timeout_s: float = 10.0
+    models: tuple = tuple(Model(id, *ensembles) for id, ensembles in MODELS.items())
+
+    def model(self, model_id):
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+def _int(environ, name, default, minimum):
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _float(environ, name, default):
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name}={raw} must be a positive number of seconds")
+    return value
+
+
+def load_api_key(environ):
+    """(key or None, where it came from). A file path that does not exist
+    counts as unset, as for the admin key (an optional Kubernetes Secret); an
+    empty or unreadable file is an error, never a silently open front."""
+    path = environ.get("OPENAI_FRONT_API_KEY_FILE", "").strip()
+    if path and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"cannot read OPENAI_FRONT_API_KEY_FILE={path}: {error}") from None
+        if not key:
+            raise ConfigError(f"OPENAI_FRONT_API_KEY_FILE={path} is empty")
+        source = f"from OPENAI_FRONT_API_KEY_FILE ({path})"
+    elif environ.get("OPENAI_FRONT_API_KEY", "").strip():
+        key, source = environ["OPENAI_FRONT_API_KEY"].strip(), "from OPENAI_FRONT_API_KEY"
+    else:
+        return None, f"none (OPENAI_FRONT_API_KEY_FILE={path} does not exist)" if path else "none"
+    if not key.isprintable() or any(c.isspace() for c in key):
+        raise ConfigError(f"the API key ({source}) has spaces or control characters")
+    return key, source
+
+
+def from_environ(environ=None, **overrides):
+    environ = os.environ if environ is None else environ
+    api_key, api_key_source = load_api_key(environ)
+    allowlist = frozenset(h.strip().lower() for h in environ.get("OPENAI_FRONT_IMAGE_URL_ALLOWLIST", "").split(",")
+                          if h.strip())
+    values = dict(
+        host=environ.get("OPENAI_ADDRESS") or environ.get("LISTEN_ADDRESS") or "127.0.0.1",
+        port=_int(environ, "OPENAI_PORT", 8003, 0),
+        triton_grpc_url=environ.get("TRITON_GRPC_URL") or "127.0.0.1:8001",
+        api_key=api_key,
+        api_key_source=api_key_source,
+        image_url_allowlist=allowlist,
+        max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
+        grpc_channels=_int(environ, "OPENAI_FRONT_GRPC_CHANNELS", 2, 1),
+        timeout_s=_float(environ, "OPENAI_FRONT_TIMEOUT_S", 60.0),
+    )
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)
