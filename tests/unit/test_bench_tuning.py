@@ -8,9 +8,10 @@ import pathlib
 
 import pytest
 
-from tools import model_config
+from tools import backend_code, model_config
 from tools.bench import run
 
+BACKEND_LOGIC = {"onnx_classifier": "ort_classifier", "torchscript_classifier": "classifier"}
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classifier/config.pbtxt"
 
 
@@ -38,10 +39,16 @@ def test_every_variant_renders_a_config_that_parses(shipped, name):
     # What a variant does not name stays as shipped.
     assert config.output == shipped.output and config.input == shipped.input
     assert [g.rate_limiter for g in config.instance_group] == [g.rate_limiter for g in shipped.instance_group]
+    # The run labels a variant (reading its thread count) before rendering it: the backend must still
+    # accept every parameter (reading a missing protobuf map key once added an unknown one).
+    run.describe_classifier_config(config)
+    parameters = {key: value.string_value for key, value in
+                  model_config.parse(model_config.render(config)).parameters.items()}
+    backend_code.load(config.backend, BACKEND_LOGIC[config.backend]).parse_settings(parameters)
 
 
 def test_labels_name_the_policy(shipped):
     assert run.describe_classifier_config(shipped) == \
-        "dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 torch thread(s)"
+        "dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 thread(s)"
     no_batching = run.classifier_config(shipped, batching=False)
     assert run.describe_classifier_config(no_batching).startswith("no dynamic batching")

@@ -239,7 +239,7 @@ def classifier_config(shipped, batching=True, delay_us=None, preferred=None, thr
         del config.dynamic_batching.preferred_batch_size[:]
         config.dynamic_batching.preferred_batch_size.extend(preferred)
     if threads is not None:
-        config.parameters["torch_num_threads"].string_value = str(threads)
+        config.parameters[thread_parameter(config)].string_value = str(threads)
     if instances is not None:
         for group in config.instance_group:
             group.count = instances
@@ -251,11 +251,21 @@ def classifier_instances(config):
 
 
 def classifier_threads(config):
-    return int(config.parameters["torch_num_threads"].string_value or 1)
+    key = thread_parameter(config)
+    # `in` first: reading a missing key of a protobuf map would add it, and a backend refuses unknown parameters.
+    return int(config.parameters[key].string_value or 1) if key in config.parameters else 1
+
+
+# The per-instance thread count parameter of each classifier backend.
+THREAD_PARAMETERS = {"torchscript_classifier": "torch_num_threads", "onnx_classifier": "intra_op_threads"}
+
+
+def thread_parameter(config):
+    return THREAD_PARAMETERS[config.backend]
 
 
 def describe_classifier_config(config):
-    """'dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 torch thread(s)'."""
+    """'dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 thread(s)'."""
     if config.HasField("dynamic_batching"):
         batching = config.dynamic_batching
         preferred = ", ".join(map(str, batching.preferred_batch_size)) or "any"
@@ -263,7 +273,7 @@ def describe_classifier_config(config):
                   f"delay {batching.max_queue_delay_microseconds / 1000:g} ms")
     else:
         policy = "no dynamic batching"
-    return f"{policy}, {classifier_instances(config)} instance(s) x {classifier_threads(config)} torch thread(s)"
+    return f"{policy}, {classifier_instances(config)} instance(s) x {classifier_threads(config)} thread(s)"
 
 
 def measure_tuning(ctx, p):
