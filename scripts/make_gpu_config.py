@@ -31,8 +31,9 @@ HEADER = """\
 # do not edit; change that file (its comments give the reason for each setting).
 # Picked by `tritonserver --model-config-name=gpu` (deploy/overlays/gpu).
 # {what}, one KIND_GPU instance and no rate_limiter,
-# since on GPU the classifier needs no CPU slot (docs/reliability.md#overload). Validated, not yet measured on a GPU; batching stays
-# CPU-tuned: re-measure (docs/tuning-classifier.md#on-another-host).
+# since on GPU the classifier needs no CPU slot (docs/reliability.md#overload).
+# Validated, not yet measured on a GPU; batching stays CPU-tuned: re-measure
+# (docs/tuning-classifier.md#on-another-host).
 """
 GPU_MODEL_FILE = "model.onnx"  # fp32: TensorRT picks its own precision (FP16 below)
 TRT_ENGINE_CACHE = "/tmp/triton-trt-engines"  # an engine takes minutes to build; restarts reuse it
