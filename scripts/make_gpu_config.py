@@ -8,7 +8,9 @@ by Triton's own onnxruntime backend with the TensorRT execution accelerator
 (FP16; the warmup builds the engines at load), one KIND_GPU
 instance without a rate_limiter, and no Python-backend parameters. The graph
 itself normalises the uint8 pixels and names the top-k classes, so the
-ensembles need no other change. `tritonserver --model-config-name=gpu`
+ensembles need no other change. A classifier switched to another backend (the
+TorchScript one, README: Bring your own model) keeps its config with one KIND_GPU
+instance instead. `tritonserver --model-config-name=gpu`
 (deploy/overlays/gpu) loads it instead of config.pbtxt. Run by `make build`
 and the Dockerfile; never edit the output.
 
@@ -27,11 +29,11 @@ DEFAULT_SOURCE = REPO_ROOT / "model_repository/classifier/config.pbtxt"
 HEADER = """\
 # GENERATED at build time by scripts/make_gpu_config.py from {source}:
 # do not edit; change that file (its comments give the reason for each setting).
-# Picked by `tritonserver --model-config-name=gpu` (deploy/overlays/gpu). The same
-# ONNX file in Triton's onnxruntime backend with TensorRT (FP16), one KIND_GPU instance
-# and no rate_limiter, since on GPU the classifier needs no CPU slot
-# (docs/reliability.md#overload). Validated, not yet measured on a GPU; batching stays
-# CPU-tuned: re-measure (docs/tuning-classifier.md#on-another-host).
+# Picked by `tritonserver --model-config-name=gpu` (deploy/overlays/gpu).
+# {what}, one KIND_GPU instance and no rate_limiter,
+# since on GPU the classifier needs no CPU slot (docs/reliability.md#overload).
+# Validated, not yet measured on a GPU; batching stays CPU-tuned: re-measure
+# (docs/tuning-classifier.md#on-another-host).
 """
 GPU_MODEL_FILE = "model.onnx"  # fp32: TensorRT picks its own precision (FP16 below)
 TRT_ENGINE_CACHE = "/tmp/triton-trt-engines"  # an engine takes minutes to build; restarts reuse it
@@ -41,12 +43,16 @@ TRT_ENGINE_CACHE = "/tmp/triton-trt-engines"  # an engine takes minutes to build
 def gpu_config(cpu_text):
     """The GPU ModelConfig for a CPU config.pbtxt's text."""
     config = text_format.Parse(cpu_text, model_config_pb2.ModelConfig())
+    del config.instance_group[:]
+    config.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
+    if config.backend != "onnx_classifier":
+        # Another backend (torchscript_classifier for a bring-your-own model) runs on
+        # the GPU itself: only the instance kind changes.
+        return config
     config.ClearField("backend")
     config.platform = "onnxruntime_onnx"
     config.default_model_filename = GPU_MODEL_FILE
     config.parameters.clear()  # the Python backend's (model_file, threads); onnxruntime has its own
-    del config.instance_group[:]
-    config.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
     tensorrt = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
     tensorrt.parameters.update({
         "precision_mode": "FP16",
@@ -65,8 +71,11 @@ def write_gpu_config(source, output=None):
     """Write the GPU config for config.pbtxt `source` to `output`; return its path."""
     source = pathlib.Path(source)
     output = pathlib.Path(output) if output else default_output(source)
-    header = HEADER.format(source=f"{source.parent.name}/{source.name}")  # the same in the repo and the image
-    text = header + text_format.MessageToString(gpu_config(source.read_text()))
+    config = gpu_config(source.read_text())
+    what = ("The same ONNX file in Triton's onnxruntime backend with TensorRT (FP16)" if config.platform
+            else f"The same model in backend {config.backend}")
+    header = HEADER.format(source=f"{source.parent.name}/{source.name}", what=what)  # the same in the repo and the image
+    text = header + text_format.MessageToString(config)
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".tmp")
     partial.write_text(text)

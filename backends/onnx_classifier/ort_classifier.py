@@ -95,6 +95,8 @@ class OnnxClassifier:
         if len(inputs) != 1 or inputs[0].name != self.input_name:
             raise ConfigError(f"{file_name} must have one input named {self.input_name}, has {[i.name for i in inputs]}")
         expected = _ONNX_TYPES.get(input_dtype)
+        if expected is None:
+            raise ConfigError(f"input {self.input_name} must be TYPE_UINT8 or TYPE_FP32, the config declares {input_dtype}")
         if inputs[0].type != expected:
             raise ConfigError(f"{file_name} input {self.input_name} is {inputs[0].type}; the config declares {input_dtype} "
                               f"({expected}); they must match")

@@ -119,6 +119,7 @@ def test_committed_config_loads_and_serves_the_measured_default():
 
 @pytest.mark.parametrize("config, words", [
     (model_config(dtype="TYPE_FP32"), "input PIXELS is tensor(uint8); the config declares float32"),
+    (model_config(dtype="TYPE_INT16"), "input PIXELS must be TYPE_UINT8 or TYPE_FP32, the config declares int16"),
     (model_config(k=3), "returns (5,) scores and (5,) labels per image; the config's outputs ask for 3"),
     (model_config(input_dims=(3, 200, 200)), "has dims [3, 224, 224] after the batch; the config has [3, 200, 200]"),
     (model_config({"model_file": "other.onnx"}), "other.onnx not found (set parameter model_file, or run scripts/export_onnx.py)"),
