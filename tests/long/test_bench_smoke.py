@@ -92,3 +92,11 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     # Every runtime the build has is measured in-process: TorchScript, ONNX Runtime fp32 and int8.
     assert sorted(turn["inprocess"]) == ["onnx_fp32", "onnx_int8", "torchscript"]
     assert data["tuning"][0]["name"] == "no_batching" and data["tuning"][0]["results"]
+    # The plugged-in sections (tools/bench/sections.py) measured on the run's own server, into
+    # the same results file, and rendered with their targets.
+    streaming, front = data["sections"]["streaming"], data["sections"]["openai_front"]
+    assert "error" not in streaming and "error" not in front, (streaming.get("error"), front.get("error"))
+    assert streaming["concurrent"]["failed"] == 0 and streaming["time_to_labels"]["labels_p50_ms"] > 0
+    assert front["latency"]["front"]["count"] > 0 and sum(w["errors"] for w in front["windows"]) == 0
+    assert "## Streaming" in text and "## The OpenAI-compatible front" in text
+    assert "OpenAI front: added p50" in text and "streaming: time to labels" in text

@@ -246,15 +246,20 @@ def test_metrics_render_counters_and_a_cumulative_histogram():
     assert 'openai_front_errors_total{status="404",code="model_not_found"} 1' in text
 
 
-def test_the_benchmarks_doc_shows_the_committed_front_results():
-    """docs/benchmarks.md's section is what tools/bench/openai_front.markdown()
-    renders from the newest committed results, so figures and JSON agree."""
+def test_the_bench_section_renders_every_committed_front_run():
+    """`make bench` renders the front's section from its results (tools/bench/sections.py);
+    every committed standalone run has the figures that section and its targets read."""
     import pathlib
 
-    from tools.bench.openai_front import markdown
+    from tools.bench import openai_front, sections
 
-    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
-    paths = sorted((docs / "results").glob("openai-front-*.json"))
-    runs = [json.loads(path.read_text()) for path in paths]
-    section = markdown(runs[-1], f"results/{paths[-1].name}", runs)
-    assert section in (docs / "benchmarks.md").read_text()
+    assert "tools.bench.openai_front" in sections.SECTIONS
+    paths = sorted((pathlib.Path(__file__).resolve().parents[2] / "docs/results").glob("openai-front-*.json"))
+    assert paths
+    for path in paths:
+        run = json.loads(path.read_text())
+        text = "\n".join(openai_front.render(run))
+        assert text.startswith(openai_front.SECTION)
+        assert f"{run['latency']['added_p50_ms']:+.2f} ms" in text
+        added, ratio = openai_front.targets(run)
+        assert added.measured == run["latency"]["added_p50_ms"] and ratio.measured == run["throughput_ratio"]

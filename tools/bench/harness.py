@@ -56,6 +56,7 @@ class Triton(TritonServer):
                 if attempt == 1 or time.monotonic() > deadline:
                     raise
                 self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+                self.openai_port = free_port()
         self.startup_s = time.monotonic() - started
 
     def stats(self):

@@ -11,7 +11,8 @@ one run, on one server, with the fake LLM at 0 ms.
      also the front's own CPU per request (it shares the cores with Triton).
 
   python -m tools.bench.openai_front [--results docs/results/openai-front-<UTC time>.json]
-  (results under docs/results/ also rewrite the section of docs/benchmarks.md)
+  (`make bench` measures the same figures on its own server, as a section of its
+  one results file: tools/bench/sections.py)
   make bench-openai
 
 Both clients live in this process: grpc.aio for the direct path, one aiohttp
@@ -182,10 +183,8 @@ async def bench(triton, llm, args):
     return results
 
 
-def markdown(results, results_link, runs=()):
-    """The docs/benchmarks.md section for one run's results (what report.py can
-    append as "## The OpenAI-compatible front"); runs: every run's results
-    (this one included), oldest first, for a line per run."""
+def markdown(results):
+    """The section of docs/benchmarks.md for one run's results."""
     latency, windows = results["latency"], results["windows"]
     direct, front = latency["direct"], latency["front"]
     by_path = {name: [w["throughput"] for w in windows if w["path"] == name] for name in ("direct", "front")}
@@ -204,59 +203,63 @@ def markdown(results, results_link, runs=()):
                       [("figure", "direct gRPC", "through the front", "result", "target"), ("---",) * 5, *rows])
     return f"""{SECTION}
 
-`make bench-openai` (`python -m tools.bench.openai_front`, about 3 minutes; results
-[{results_link}]({results_link})): the same requests (a JPEG and a distinct prompt each) to
-`classify_and_describe` through the front's `POST /v1/chat/completions` and with
-`tritonclient.grpc.aio` directly, on one server, fake LLM at 0 ms, side by side in one run:
-one request at a time in alternating blocks ({direct["count"]} per path), then a sweep of
-the direct path for the saturating concurrency (the smallest within 5 % of the best), then
-alternating timed windows of each path there ({per_path} per path).
+The same requests (a JPEG and a distinct prompt each) to `classify_and_describe` through the
+front's `POST /v1/chat/completions` and with `tritonclient.grpc.aio` directly, on one server,
+fake LLM at 0 ms, side by side in one run: one request at a time in alternating blocks
+({direct["count"]} per path), then the direct path's saturating concurrency (the smallest within
+5 % of the best of a short sweep), then alternating timed windows of each path there
+({per_path} per path). `make bench-openai` measures the same on its own server.
 
 {table}
 
 The front spent {results["front_cpu_ms_per_request"]:.1f} ms of CPU per request (JSON, base64,
-HTTP and gRPC), on the same cores as Triton, the fake LLM and the load generator. Measured on
-the shared 2-core development VM while other engineers ran builds and tests (load average
-{results["load_average_before"][0]:.1f} before, {results["load_average_after"][0]:.1f} after): single
+HTTP and gRPC), on the same cores as Triton, the fake LLM and the load generator (load average
+{results["load_average_before"][0]:.1f} before, {results["load_average_after"][0]:.1f} after). Single
 windows moved between {min(everything):.0f} and {max(everything):.0f} req/s, so the throughput
 ratio is only as good as the alternation; the one-at-a-time p50s are steadier.
 Errors: {sum(w["errors"] for w in windows)}.
-{_runs_table(runs)}"""
+"""
 
 
-def _runs_table(runs):
-    if len(runs) < 2:
-        return ""
-    lines = ["", "Every committed run (docs/results/openai-front-*.json), the one above last:", "",
-             "| run (UTC) | added p50 | throughput ratio | at concurrency | load average before, after |",
-             "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['date'][:16].replace('T', ' ')} | {r['latency']['added_p50_ms']:+.2f} ms | {r['throughput_ratio']:.3f} "
-              f"| {r['saturating_concurrency']} | {r['load_average_before'][0]:.1f}, {r['load_average_after'][0]:.1f} |"
-              for r in runs]
-    added = statistics.median(r["latency"]["added_p50_ms"] for r in runs)
-    ratio = statistics.median(r["throughput_ratio"] for r in runs)
-    cpu = statistics.median(r["front_cpu_ms_per_request"] for r in runs)
-    lines.append(f"| **median of {len(runs)}** | **{added:+.2f} ms** | **{ratio:.3f}** | | |")
-    lines += ["", f"On a host whose cores Triton saturates, the front's {cpu:.1f} ms of CPU per request is what it "
-              "takes from the ensemble's (about 43 ms per request here, `make bench`'s CPU accounting): about "
-              f"{cpu / (43 + cpu):.0%} of the throughput when both share the cores, none when the front has its own."]
-    return "\n".join(lines) + "\n"
+# -- as a section of `make bench` (tools/bench/sections.py) --------------------------------------
+
+NAME = "openai_front"
+TITLE = "The OpenAI-compatible front"
+# Sized per `make bench` mode: smoke runs inside `make test` (seconds), quick and full as in the
+# standalone run, which sweeps for the saturating concurrency.
+SIZES = {
+    "smoke": dict(block=5, rounds=2, concurrency=4, sweep=[], sweep_s=0.0, windows=1, window_s=2.0),
+    "quick": dict(block=25, rounds=4, concurrency=None, sweep=[4, 8, 16], sweep_s=4.0, windows=2, window_s=8.0),
+    "full": dict(block=50, rounds=6, concurrency=None, sweep=[2, 4, 8, 16, 32], sweep_s=6.0, windows=4,
+                 window_s=15.0),
+}
 
 
-def update_doc(doc, newest):
-    """Replace (or append) the section in docs/benchmarks.md, from every
-    committed run's results and the newest one in full."""
-    paths = sorted(newest.parent.glob("openai-front-*.json"))
-    runs = [json.loads(path.read_text()) for path in paths]
-    section = markdown(json.loads(newest.read_text()), f"results/{newest.name}", runs)
-    text = doc.read_text()
-    start = text.find(SECTION)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    doc.write_text(text)
+def measure(ctx):
+    """The front's figures on the run's own server (it starts a front beside Triton) and fake LLM."""
+    load_before = load_average()
+    ctx.llm.set_latency(0)
+    results = asyncio.run(bench(ctx.triton, ctx.llm, argparse.Namespace(**SIZES[ctx.mode])))
+    results.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   load_average_before=load_before, load_average_after=load_average())
+    return results
+
+
+def render(section):
+    return markdown(section).splitlines()
+
+
+def targets(section):
+    from tools.bench.report import Target  # report imports the sections: import it when called
+
+    latency = section["latency"]
+    return [
+        Target("OpenAI front: added p50 over tritonclient gRPC directly, one at a time", latency["added_p50_ms"],
+               section["target_added_p50_ms"], at_most=True, unit=" ms",
+               detail=f"{latency['front']['p50_ms']:.2f} vs {latency['direct']['p50_ms']:.2f} ms"),
+        Target(f"OpenAI front / direct gRPC throughput (c={section['saturating_concurrency']})",
+               section["throughput_ratio"], section["target_throughput_ratio"], digits=3),
+    ]
 
 
 def main(argv=None):
@@ -291,9 +294,6 @@ def main(argv=None):
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1, default=float) + "\n")
     log(f"results: {args.results}")
-    if args.results.parent.resolve() == (REPO / "docs/results").resolve():
-        update_doc(REPO / "docs/benchmarks.md", args.results)
-        log("docs/benchmarks.md: section 'The OpenAI-compatible front' rewritten")
     print(json.dumps({"added_p50_ms": round(results["latency"]["added_p50_ms"], 2),
                       "throughput_ratio": round(results["throughput_ratio"], 3),
                       "saturating_concurrency": results["saturating_concurrency"], "met": results["met"]}))

@@ -34,6 +34,8 @@ and the rest of the run go on.
 import importlib
 
 SECTIONS = (
+    "tools.bench.streaming",
+    "tools.bench.openai_front",
 )
 
 

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import csv
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -200,50 +201,96 @@ def perf_analyzer_streaming(server, input_data, concurrency, workdir, window_ms)
 LLM_LATENCY_MS, CHUNK_MS, ANSWER_WORDS = 200, 25, 40
 
 
+# Sizes per mode: "smoke" is `make bench`'s smoke run inside `make test` (seconds).
+SIZES = {
+    "smoke": dict(requests=5, streams=20, concurrency=[], window_ms=2000),
+    "quick": dict(requests=30, streams=100, concurrency=[1, 8], window_ms=3000),
+    "full": dict(requests=100, streams=500, concurrency=[1, 8, 32], window_ms=5000),
+}
+
+
+def measure_on(server, llm, jpegs, workdir, mode):
+    """Every streaming figure against a running server whose answer cache is off (perf_analyzer's
+    inputs repeat, and a replayed answer is not a stream); leaves the fake upstream as it found it
+    only in that the caller resets it."""
+    size = SIZES[mode]
+    results = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
+               "cpus": os.cpu_count(), "mode": mode,
+               "upstream": {"latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": ANSWER_WORDS}}
+    # Short answers while 1 and 2 wait for each stream's end between measurements.
+    llm.admin("mode", {"mode": "ok", "latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": 3})
+    asyncio.run(time_to_labels(server, jpegs, 5))  # warm-up
+    results["time_to_labels"] = asyncio.run(time_to_labels(server, jpegs, size["requests"]))
+    print("time to labels:", results["time_to_labels"], flush=True)
+    results["time_to_first_token"] = asyncio.run(time_to_first_token(server, llm, size["requests"]))
+    print("time to first token:", results["time_to_first_token"], flush=True)
+    results["concurrent"] = asyncio.run(concurrent_streams(server, llm, size["streams"]))
+    print("concurrent streams:", results["concurrent"], flush=True)
+    if PERF_ANALYZER.exists() and size["concurrency"]:
+        llm.admin("mode", {"mode": "ok", "latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS,
+                           "answer_words": ANSWER_WORDS})
+        paths = write_input_data(workdir, jpegs)
+        results["perf_analyzer"] = [perf_analyzer_streaming(server, paths["classify_and_describe"], c, workdir,
+                                                            size["window_ms"]) for c in size["concurrency"]]
+        print("perf_analyzer:", results["perf_analyzer"], flush=True)
+    return results
+
+
+# -- as a section of `make bench` (tools/bench/sections.py) --------------------------------------
+
+NAME = "streaming"
+TITLE = "Streaming (classify_and_describe_stream, describe_stream)"
+
+
+def measure(ctx):
+    try:
+        return measure_on(ctx.triton, ctx.llm, photo_jpegs(), ctx.workdir / "streaming", ctx.mode)
+    finally:
+        ctx.llm.admin("reset", {})  # back to 0 ms, whole answers at once, as the run started
+
+
+def render(section):
+    return section_markdown(section, command="make bench").splitlines()
+
+
+def targets(section):
+    from tools.bench.report import Target  # report imports the sections: import it when called
+
+    ttl, ttft, c = section["time_to_labels"], section["time_to_first_token"], section["concurrent"]
+    return [
+        Target("streaming: time to labels / `classify` latency, c=1 (p50)", ttl["ratio_p50"], 1.1, at_most=True,
+               detail=f"{ttl['labels_p50_ms']:.1f} vs {ttl['classify_p50_ms']:.1f} ms"),
+        Target("streaming: time to first token over the SDK streaming directly (p50)", ttft["overhead_p50_ms"], 5.0,
+               at_most=True, unit=" ms"),
+        Target(f"streaming: {c['streams']} concurrent streams failed or with text not the upstream's",
+               c["failed"] + c["text_not_the_upstreams"], 0, at_most=True, digits=0),
+    ]
+
+
 def run(args):
     workdir = pathlib.Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    jpegs = photo_jpegs()
     llm = FakeLLM(workdir)
     server = None
-    results = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-               "cpus": __import__("os").cpu_count(), "mode": args.mode,
-               "upstream": {"latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": ANSWER_WORDS}}
     try:
-        # No answer cache: perf_analyzer's inputs repeat, and a replayed answer is not a stream.
         server = Triton(workdir, llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
-        # Short answers while 1 and 2 wait for each stream's end between measurements.
-        llm.admin("mode", {"mode": "ok", "latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": 3})
-        asyncio.run(time_to_labels(server, jpegs, 5))  # warm-up
-        results["time_to_labels"] = asyncio.run(time_to_labels(server, jpegs, args.requests))
-        print("time to labels:", results["time_to_labels"], flush=True)
-        results["time_to_first_token"] = asyncio.run(time_to_first_token(server, llm, args.requests))
-        print("time to first token:", results["time_to_first_token"], flush=True)
-        results["concurrent"] = asyncio.run(concurrent_streams(server, llm, args.streams))
-        print("concurrent streams:", results["concurrent"], flush=True)
-        if PERF_ANALYZER.exists():
-            llm.admin("mode", {"mode": "ok", "latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS,
-                               "answer_words": ANSWER_WORDS})
-            paths = write_input_data(workdir, jpegs)
-            results["perf_analyzer"] = [perf_analyzer_streaming(server, paths["classify_and_describe"], c, workdir,
-                                                                args.window_ms) for c in args.concurrency]
-            print("perf_analyzer:", results["perf_analyzer"], flush=True)
+        results = measure_on(server, llm, photo_jpegs(), workdir, args.mode)
     finally:
         if server is not None:
             server.stop()
         llm.stop()
     pathlib.Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.results).write_text(json.dumps(results, indent=2) + "\n")
-    pathlib.Path(args.section).write_text(section(results, args))
+    pathlib.Path(args.section).write_text(section_markdown(results, command="make bench-stream"))
     return results
 
 
-def section(r, args):
+def section_markdown(r, command):
     ttl, ttft, c = r["time_to_labels"], r["time_to_first_token"], r["concurrent"]
     ok = lambda passed: "met" if passed else "**not met**"  # noqa: E731
     lines = [
         "## Streaming (classify_and_describe_stream, describe_stream)", "",
-        f"`make bench-stream`, {r['when']}, {r['cpus']} CPUs ({args.mode}). Upstream: the fake, "
+        f"`{command}`, {r['when']}, {r['cpus']} CPUs ({r['mode']}). Upstream: the fake, "
         f"{LLM_LATENCY_MS} ms to the first word, then a word every {CHUNK_MS} ms ({ANSWER_WORDS} words). "
         "Client, server and upstream share the machine; each figure compares two measurements "
         "taken alternately in one run; the in-model answer cache is off.", "",
@@ -279,11 +326,6 @@ def main(argv=None):
     parser.add_argument("--section", default=str(REPO / "docs/benchmarks-streaming.md"))
     parser.add_argument("--workdir", default=str(REPO / "build/bench/stream"))
     args = parser.parse_args(argv)
-    quick = args.mode == "quick"
-    args.requests = 30 if quick else 100
-    args.streams = 100 if quick else 500
-    args.concurrency = [1, 8] if quick else [1, 8, 32]
-    args.window_ms = 3000 if quick else 5000
     results = run(args)
     c = results["concurrent"]
     return 0 if c["failed"] == 0 and not c["text_not_the_upstreams"] else 1
