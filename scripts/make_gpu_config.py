@@ -5,9 +5,10 @@ Writes configs/gpu.pbtxt beside the given config.pbtxt (default
 model_repository/classifier/config.pbtxt): the same tensors, batching and
 warmup, served from the same ONNX file (1/model.onnx, scripts/export_onnx.py)
 by Triton's own onnxruntime backend with the TensorRT execution accelerator
-(FP16; the warmup builds the engines at load), one KIND_GPU
-instance without a rate_limiter, and no Python-backend parameters. The graph
-itself normalises the uint8 pixels and names the top-k classes, so the
+(FP16; one optimization profile covers batch 1 to max_batch_size, and a warmup
+at max_batch_size is added, so the engine is built at load, not in a request),
+one KIND_GPU instance without a rate_limiter, and no Python-backend
+parameters. The graph itself normalises the uint8 pixels and names the top-k classes, so the
 ensembles need no other change. A classifier switched to another backend (the
 TorchScript one, README: Bring your own model) keeps its config with one KIND_GPU
 instance instead. `tritonserver --model-config-name=gpu`
@@ -39,6 +40,22 @@ GPU_MODEL_FILE = "model.onnx"  # fp32: TensorRT picks its own precision (FP16 be
 TRT_ENGINE_CACHE = "/tmp/triton-trt-engines"  # an engine takes minutes to build; restarts reuse it
 
 
+def profile_shapes(config, batch_size):
+    """TensorRT's shape list for every input at `batch_size`: "PIXELS:8x3x224x224"."""
+    return ",".join(f"{tensor.name}:" + "x".join(str(d) for d in [batch_size, *tensor.dims])
+                    for tensor in config.input)
+
+
+def add_max_batch_warmup(config):
+    """Warm up at max_batch_size too (copying the first warmup's inputs), so that no
+    request is the first to run the largest batch the dynamic batcher forms."""
+    if not config.model_warmup or any(w.batch_size == config.max_batch_size for w in config.model_warmup):
+        return
+    warmup = config.model_warmup.add()
+    warmup.CopyFrom(config.model_warmup[0])
+    warmup.name = f"batch_{config.max_batch_size}"
+    warmup.batch_size = config.max_batch_size
+
 
 def gpu_config(cpu_text):
     """The GPU ModelConfig for a CPU config.pbtxt's text."""
@@ -54,12 +71,20 @@ def gpu_config(cpu_text):
     config.default_model_filename = GPU_MODEL_FILE
     config.parameters.clear()  # the Python backend's (model_file, threads); onnxruntime has its own
     tensorrt = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+    # Without an explicit profile, TensorRT builds one for the shapes it has seen and
+    # rebuilds (seconds to minutes, inside a request) when a larger batch comes: one
+    # profile over 1..max_batch_size gives one engine, built by the first warmup.
+    preferred = config.dynamic_batching.preferred_batch_size
     tensorrt.parameters.update({
         "precision_mode": "FP16",
         "max_workspace_size_bytes": str(1 << 30),
         "trt_engine_cache_enable": "1",
         "trt_engine_cache_path": TRT_ENGINE_CACHE,
+        "trt_profile_min_shapes": profile_shapes(config, 1),
+        "trt_profile_opt_shapes": profile_shapes(config, max(preferred, default=config.max_batch_size)),
+        "trt_profile_max_shapes": profile_shapes(config, config.max_batch_size),
     })
+    add_max_batch_warmup(config)
     return config
 
 

@@ -468,8 +468,24 @@ def test_gpu_overlay_requests_a_gpu_and_the_classifier_has_a_gpu_config(tmp_path
     assert not gpu.instance_group[0].HasField("rate_limiter")
     (tensorrt,) = gpu.optimization.execution_accelerators.gpu_execution_accelerator
     assert tensorrt.name == "tensorrt" and tensorrt.parameters["precision_mode"] == "FP16"
-    for field in ("name", "max_batch_size", "input", "output", "dynamic_batching", "model_warmup"):
+    for field in ("name", "max_batch_size", "input", "output", "dynamic_batching"):
         assert getattr(gpu, field) == getattr(expected, field), field
+
+    # TensorRT builds its engine for one optimization profile: it must span every batch
+    # the dynamic batcher can form (1..max_batch_size), or a larger batch rebuilds the
+    # engine inside a request; the warmup runs max_batch_size so the build happens at load.
+    (pixels,) = expected.input
+    item = "x".join(str(d) for d in pixels.dims)
+    assert tensorrt.parameters["trt_profile_min_shapes"] == f"PIXELS:1x{item}"
+    assert tensorrt.parameters["trt_profile_max_shapes"] == f"PIXELS:{expected.max_batch_size}x{item}"
+    opt = int(tensorrt.parameters["trt_profile_opt_shapes"].removeprefix("PIXELS:").split("x")[0])
+    assert 1 <= opt <= expected.max_batch_size
+    assert list(gpu.model_warmup[:len(expected.model_warmup)]) == list(expected.model_warmup)
+    assert expected.max_batch_size in [w.batch_size for w in gpu.model_warmup]
+    assert {w.batch_size for w in gpu.model_warmup} == (
+        {w.batch_size for w in expected.model_warmup} | {expected.max_batch_size})
+    largest = max(gpu.model_warmup, key=lambda w: w.batch_size)
+    assert dict(largest.inputs) == dict(expected.model_warmup[0].inputs)
     assert make_gpu_config.default_output(source) == source.parent / "configs/gpu.pbtxt"
 
 
