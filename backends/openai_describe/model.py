@@ -220,6 +220,9 @@ class TritonPythonModel:
         cancelled = _Watch(request)
         self.watched.add(cancelled)
 
+        def stop():  # the client left, or a chunk was lost: either way, no more text is worth paying for
+            return cancelled() or out.failure is not None
+
         def emit(text):
             out.text(text)
             stats.chunk(time.monotonic() - received)
@@ -236,7 +239,7 @@ class TritonPythonModel:
             if cancelled():  # the client left while its photo was classified: no LLM call
                 self.metrics.request_done(None, "cancelled", None)
                 raise Cancelled()
-            result = await describe_stream(self.describer, job, emit, cancelled)
+            result = await describe_stream(self.describer, job, emit, stop)
             await out.drain()
             if result.outcome == "error":  # on_failure=error
                 response = _error_response(f"the LLM upstream could not answer ({result.usage.fallback_reason})",
@@ -252,7 +255,12 @@ class TritonPythonModel:
                 self.metrics.request_done(None, "invalid", None)
             response = _error_response(str(exc), exc.code)
         except Cancelled:  # counted by the describer, with what it had billed
-            response = _error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+            if out.failure is not None and not cancelled():
+                response = self._chunk_lost(out.failure)
+            else:
+                response = _error_response("request cancelled", pb_utils.TritonError.CANCELLED)
+        except _ChunkLost as exc:
+            response = self._chunk_lost(exc.__cause__)
         except asyncio.CancelledError:
             response = _error_response("the model is unloading", pb_utils.TritonError.UNAVAILABLE)
         except Exception:  # a bug must cost one stream, not the instance
@@ -273,6 +281,14 @@ class TritonPythonModel:
             except Exception as exc:
                 self.log.error(f"could not send a response: {self.scrub(exc)}")
 
+    def _chunk_lost(self, failure):
+        """The stream's end after a DESCRIPTION chunk could not be sent: the text the
+        client joined has a hole, so it must not end as a whole description."""
+        self.log.error(f"a DESCRIPTION chunk could not be sent, the stream ends with an error: "
+                       f"{self.scrub(failure)}")
+        return _error_response("a DESCRIPTION chunk could not be sent: the text streamed is incomplete",
+                               pb_utils.TritonError.INTERNAL)
+
     async def _watch_cancellations(self):
         """Refresh every open stream's cancelled flag every cancel_poll_s, in a
         sender thread: each is_cancelled() is a round trip to Triton, which the
@@ -290,7 +306,7 @@ class TritonPythonModel:
         """On an executor thread: LABELS and SCORES of the photo from
         classify_model (BLS), sent as the stream's first response; the Job.
         Raises _Reject with the classifier's own error (a photo that is not
-        one: INVALID_ARG)."""
+        one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
         response = pb_utils.InferenceRequest(
             model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
             requested_output_names=["LABELS", "SCORES"]).exec()
@@ -300,7 +316,13 @@ class TritonPythonModel:
             raise _Reject(error.message(), code)
         labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
         scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
-        job = self._job(labels[0], scores[0], work.prompt, work.overrides)
+        try:
+            job = self._job(labels[0], scores[0], work.prompt, work.overrides)
+        except (InvalidInput, PromptError) as exc:
+            # The PROMPT passed these checks in execute(): what fails is the classifier's
+            # output (a bring-your-own one with long labels or NaN scores), the server's fault.
+            raise _Reject(f"the classifier {self.settings.classify_model!r} returned output the describe step "
+                          f"cannot use: {exc}", pb_utils.TritonError.INTERNAL) from None
         sender.send(pb_utils.InferenceResponse(output_tensors=_labels_tensors(job)))
         return job
 
@@ -357,15 +379,22 @@ class _Outbox:
     loop never waits on Triton (each send is a round trip to the server).
     Text that comes while an earlier send is still on its way goes out
     together in the next response: under load a chunk holds several tokens
-    instead of the stream falling behind."""
+    instead of the stream falling behind.
+
+    A chunk that could not be sent leaves a hole in the text: the first such
+    failure is kept, later text is dropped, and drain() raises _ChunkLost so the
+    stream ends with an error rather than as a whole description."""
 
     def __init__(self, sender, loop, pool):
         self.sender, self.loop, self.pool = sender, loop, pool
         self.pending = []
         self.flushing = None
         self.text_responses = 0
+        self.failure = None  # the exception of the first DESCRIPTION send that failed
 
     def text(self, text):
+        if self.failure is not None:
+            return
         self.pending.append(text)
         if self.flushing is None or self.flushing.done():
             self.flushing = self.loop.create_task(self._flush())
@@ -374,12 +403,20 @@ class _Outbox:
         while self.pending:
             text = "".join(self.pending)
             self.pending.clear()
-            await self.send([_bytes_tensor("DESCRIPTION", [text])])
+            try:
+                await self.send([_bytes_tensor("DESCRIPTION", [text])])
+            except Exception as exc:
+                self.failure = exc
+                self.pending.clear()
+                return
             self.text_responses += 1
 
     async def drain(self):
+        """Wait for the text sent so far; raises _ChunkLost if any of it was lost."""
         if self.flushing is not None:
             await self.flushing
+        if self.failure is not None:
+            raise _ChunkLost() from self.failure
 
     async def send(self, tensors, final=False, error=None):
         response = error if error is not None else pb_utils.InferenceResponse(output_tensors=tensors)
@@ -422,6 +459,10 @@ class _PhotoJob:
     image: np.ndarray  # the IMAGE input, copied out of the request
     prompt: object     # the raw PROMPT element, or None
     overrides: tuple   # Settings.resolve_overrides()
+
+
+class _ChunkLost(Exception):
+    """A DESCRIPTION chunk could not be sent (the send's exception is the __cause__)."""
 
 
 class _Reject(Exception):

@@ -95,13 +95,27 @@ class ResponseSender:
 
 
 class InferenceRequest:
-    def __init__(self, inputs, parameters=None, request_id="", requested_outputs=None):
+    # BLS: model name -> function(InferenceRequest) -> InferenceResponse, what exec() asks.
+    # Tests set entries with monkeypatch.setitem.
+    models = {}
+
+    def __init__(self, inputs, parameters=None, request_id="", requested_outputs=None,
+                 model_name=None, requested_output_names=None):
+        if not isinstance(inputs, dict):  # BLS: a list of Tensors, as a model builds its request
+            inputs = {tensor.name(): tensor.as_numpy() for tensor in inputs}
         self._inputs = {name: Tensor(name, array) for name, array in inputs.items()}
         self._parameters = json.dumps(parameters or {})
         self._request_id = request_id
-        self._requested_outputs = requested_outputs
+        self._requested_outputs = requested_outputs if requested_outputs is not None else requested_output_names
         self._sender = ResponseSender()
         self.cancelled = False
+        self.model_name = model_name
+
+    def exec(self):
+        if self.model_name not in InferenceRequest.models:
+            return InferenceResponse(error=TritonError(f"Request for unknown model: '{self.model_name}'",
+                                                       TritonError.NOT_FOUND))
+        return InferenceRequest.models[self.model_name](self)
 
     def inputs(self):
         return list(self._inputs.values())

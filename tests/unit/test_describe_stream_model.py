@@ -4,8 +4,10 @@ which outputs each response carries and with which flag, an error after the
 labels as the stream's last response, cancellation, and the stream metrics."""
 
 import json
+import math
 import time
 
+import numpy as np
 import pytest
 from test_describe_model import KEY, load_model_module, request
 
@@ -109,3 +111,101 @@ def test_a_bad_request_gets_one_error_and_nothing_else(fake_pb_utils_module, fak
         model.finalize()
     assert len(responses) == 1 and responses[0][1] and "PROMPT" in responses[0][0].message()
     assert fake.stats()["requests"] == 0
+
+
+def test_a_chunk_that_could_not_be_sent_ends_the_stream_with_an_error(fake_pb_utils_module, fake, monkeypatch):
+    """A lost DESCRIPTION chunk must not pass for a whole description: no more text
+    goes out after it, the upstream call stops, and the stream ends with an error
+    instead of DESCRIPTION_SOURCE "llm"."""
+    pb_utils = fake_pb_utils_module
+    fake.set_mode("ok", answer_words=300, chunk_ms=20)
+    model = make_stream_model(monkeypatch, fake.base_url)
+    req = request(pb_utils, prompt="A long one")
+    sender = req.get_response_sender()
+    record, attempts = sender.send, []
+
+    def send(response=None, flags=0):
+        attempts.append(response)
+        if len(attempts) == 3:  # the second DESCRIPTION chunk
+            raise pb_utils.TritonModelException("the stub could not send this response")
+        record(response, flags)
+
+    sender.send = send
+    try:
+        model.execute([req])
+        responses = sent(req, pb_utils)
+        deadline = time.monotonic() + 5
+        while not fake.stats()["disconnected"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        model.finalize()
+    assert responses[:2] == [(["LABELS", "SCORES"], False), (["DESCRIPTION"], False)]
+    assert len(responses) == 3, responses  # nothing after the lost chunk but the error
+    error, final = responses[-1]
+    assert final and error.code() == pb_utils.TritonError.INTERNAL
+    assert "could not be sent" in error.message() and "incomplete" in error.message()
+    assert fake.stats()["disconnected"] == 1 and fake.stats()["streams_completed"] == 0
+    logged = [m for level, m in pb_utils.Logger.records if level == "error"]
+    assert any("the stub could not send this response" in m for m in logged), logged
+
+
+def photo_request(pb_utils):
+    return pb_utils.InferenceRequest({"IMAGE": np.array([[b"\xff\xd8 a photo"]], dtype=np.object_)})
+
+
+@pytest.mark.parametrize("labels, scores, problem", [
+    ([b"x" * 300] + [b"cat"] * 4, [0.5] * 5, "LABELS[0] has 300 characters"),
+    ([b"cat"] * 5, [math.nan] * 5, "SCORES must be finite"),
+    ([b"\xff"] + [b"cat"] * 4, [0.5] * 5, "LABELS[0] is not valid UTF-8"),
+])
+def test_classifier_output_the_describe_step_cannot_use_is_a_clear_error(
+        fake_pb_utils_module, fake, monkeypatch, labels, scores, problem):
+    """classify_and_describe_stream: a (bring-your-own) classifier whose labels break
+    the limits or whose scores are not finite gets an error naming the classifier
+    and the problem, not "internal error" and a traceback; no LLM call."""
+    pb_utils = fake_pb_utils_module
+
+    def classifier(bls_request):
+        assert bls_request.requested_output_names() == ["LABELS", "SCORES"]
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("LABELS", np.array([labels], dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([scores], dtype=np.float32))])
+
+    monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify", classifier)
+    model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify")
+    try:
+        req = photo_request(pb_utils)
+        model.execute([req])
+        responses = sent(req, pb_utils)
+    finally:
+        model.finalize()
+    assert len(responses) == 1, responses
+    error, final = responses[0]
+    assert final and isinstance(error, pb_utils.TritonError), responses
+    assert error.code() == pb_utils.TritonError.INTERNAL
+    assert "classifier 'classify'" in error.message() and problem in error.message(), error.message()
+    assert "internal error in the describe step" not in error.message()
+    assert not any("Traceback" in m for _, m in pb_utils.Logger.records)
+    assert fake.stats()["requests"] == 0
+
+
+def test_a_photo_stream_sends_the_classifiers_labels_first(fake_pb_utils_module, fake, monkeypatch):
+    """The same path with a classifier that answers well: the checks above refuse bad output only."""
+    pb_utils = fake_pb_utils_module
+    fake.set_mode("ok", answer_words=3, chunk_ms=1)
+
+    def classifier(bls_request):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("LABELS", np.array([[b"tabby, tabby cat", b"tiger cat"]], dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([[0.7, 0.2]], dtype=np.float32))])
+
+    monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify", classifier)
+    model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify")
+    try:
+        req = photo_request(pb_utils)
+        model.execute([req])
+        responses = sent(req, pb_utils)
+    finally:
+        model.finalize()
+    assert responses[0] == (["LABELS", "SCORES"], False) and responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)
+    assert req.get_response_sender().responses[0].output("LABELS")[0][0] == b"tabby, tabby cat"
