@@ -28,6 +28,9 @@ A JPEG much larger than the target is decoded at a reduced scale (Pillow's draft
 mode: libjpeg scales by 1/2, 1/4 or 1/8 in the DCT while decoding), never below
 resize_shorter_side on the shorter side: a 12 MP phone photo decodes at 1/8 of its
 size, in a fraction of the time and memory (docs/classifier-runtime.md#draft-decoding).
+A JPEG that carries more than one picture (MPF, written by many phones and
+cameras) opens as format "MPO": it is a JPEG like any other, its first picture
+the photo.
 """
 
 import dataclasses
@@ -36,8 +39,11 @@ import math
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL.JpegImagePlugin import JpegImageFile
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
+# What Pillow names a JPEG with more than one picture (MpoImageFile, a JpegImageFile).
+JPEG_VARIANTS = ("MPO",)
 
 
 class ConfigError(ValueError):
@@ -135,7 +141,7 @@ class ImagePreprocessor:
         except (OSError, SyntaxError, ValueError) as error:
             raise InvalidImage(f"IMAGE header cannot be read: {error}") from None
 
-        if image.format not in SUPPORTED_FORMATS:
+        if image.format not in SUPPORTED_FORMATS + JPEG_VARIANTS:
             raise InvalidImage(f"IMAGE format {image.format} is not supported (use one of {', '.join(SUPPORTED_FORMATS)})")
         width, height = image.size
         if width * height > limits.max_pixels:
@@ -146,7 +152,7 @@ class ImagePreprocessor:
             raise InvalidImage(
                 f"IMAGE is {width}x{height}; each side must be at least {limits.min_image_side} pixels"
             )
-        if image.format == "JPEG" and limits.jpeg_draft:
+        if isinstance(image, JpegImageFile) and limits.jpeg_draft:
             # The size at which the shorter side is resize_shorter_side; draft() keeps
             # each side at least this, so it scales only images 2x larger or more.
             scale = limits.resize_shorter_side / min(width, height)

@@ -385,3 +385,23 @@ def test_reduced_scale_pixels_match_the_full_decode(preprocessor, phone_photo):
     # The DCT-domain downscale differs from bicubic over the full image by a grey level or two;
     # the classifier's top-5 is the same (tests/unit/test_onnx_classifier.py).
     assert np.abs(drafted - full).mean() < 2.0
+
+
+@pytest.fixture(scope="module")
+def phone_photo_mpo(phone_photo):
+    """The same photo with a second, smaller picture after it (MPF, as many phones and
+    cameras write): Pillow opens it as format "MPO", a JpegImageFile subclass."""
+    primary = Image.open(io.BytesIO(phone_photo))
+    data = encode(primary, "MPO", save_all=True, append_images=[solid((0, 0, 200), (640, 480))], quality=90)
+    opened = Image.open(io.BytesIO(data))
+    assert opened.format == "MPO" and getattr(opened, "n_frames", 1) == 2
+    return data
+
+
+def test_a_multi_picture_jpeg_is_a_jpeg_decoded_at_reduced_scale(preprocessor, phone_photo, phone_photo_mpo):
+    decoded = preprocessor.decode(phone_photo_mpo)
+    assert decoded.size == (504, 378)  # reduced scale, as for the plain JPEG
+    full = ImagePreprocessor(PreprocessSettings(jpeg_draft=False)).decode(phone_photo_mpo)
+    assert full.size == (4032, 3024)  # the first picture, not the small one after it
+    # The pixels are those of the first picture, as the plain JPEG gives them.
+    assert np.abs(preprocessor(phone_photo_mpo).astype(int) - preprocessor(phone_photo).astype(int)).mean() < 2.0
