@@ -117,6 +117,21 @@ def test_committed_config_loads_and_serves_the_measured_default():
     assert model.classifier.session.get_session_options().intra_op_num_threads == 1
 
 
+def test_a_config_without_model_file_serves_the_fp32_graph(fp32_model, fake_pb_utils_module):
+    """The default is model.onnx (docs/classifier-runtime.md): the int8 file misses the
+    agreement target, so a config that names no file (a trimmed or bring-your-own
+    copy) must not silently get it."""
+    assert onnx_model.parse_settings({}).model_file == FP32
+    default = make_model(model_config())
+    assert any(level == "info" and "ready: model.onnx," in message
+               for level, message in fake_pb_utils_module.Logger.records)
+    pixels = np.random.default_rng(7).integers(0, 256, (2, 3, 224, 224), dtype=np.uint8)
+    int8 = make_model(model_config({"model_file": INT8}))
+    (served,), (fp32,), (quantised,) = (m.execute([request(pixels)]) for m in (default, fp32_model, int8))
+    np.testing.assert_array_equal(served.output("SCORES"), fp32.output("SCORES"))
+    assert not np.array_equal(served.output("SCORES"), quantised.output("SCORES"))  # the check can tell them apart
+
+
 @pytest.mark.parametrize("config, words", [
     (model_config(dtype="TYPE_FP32"), "input PIXELS is tensor(uint8); the config declares float32"),
     (model_config(dtype="TYPE_INT16"), "input PIXELS must be TYPE_UINT8 or TYPE_FP32, the config declares int16"),
