@@ -52,3 +52,14 @@ def test_labels_name_the_policy(shipped):
         "dynamic batching, preferred [2, 4], delay 0 ms, 2 instance(s) x 1 thread(s)"
     no_batching = run.classifier_config(shipped, batching=False)
     assert run.describe_classifier_config(no_batching).startswith("no dynamic batching")
+
+
+def test_figure_2_keeps_its_burst_within_the_admission_queue():
+    """perf_analyzer starts every request at once: a concurrency above a step's max_queue_size is
+    refused by admission control, so figure 2 hides the longest LLM latency that fits instead."""
+    from tools.bench.run import concurrency_to_cover, latency_to_cover, queue_limit
+
+    assert latency_to_cover(60.0, 1000, 4, 128) == 1000  # 96 in flight cover 1 s
+    latency = latency_to_cover(144.0, 1000, 4, 128)
+    assert latency == 500 and concurrency_to_cover(144.0, latency, 4, 128) <= 128
+    assert queue_limit(pathlib.Path(__file__).resolve().parents[2] / "model_repository") == 128

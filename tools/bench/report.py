@@ -487,6 +487,11 @@ def _hiding_section(results, add):
     add(f"`classify_and_describe` with the fake upstream answering after {h['latency_ms']} ms and after 0 ms, "
         f"both at concurrency {h['concurrency']} (Little's law from the 0 ms throughput at concurrency "
         f"{results['meta']['params']['cover_base_c']}: {_f(h['probe']['throughput'])}/s).\n")
+    if h.get("wanted_latency_ms", h["latency_ms"]) != h["latency_ms"]:
+        add(f"The run asks for {h['wanted_latency_ms']} ms; covering that would take more requests in flight than "
+            f"{h['in_flight_cap']}, the smallest queue a step admits (perf_analyzer sends them all at once, and "
+            "admission control refuses a burst beyond a step's queue by design), so the latency is the longest "
+            "that this many in flight can hide.\n")
     add("| LLM latency | throughput (infer/s) | p50 ms | p99 ms | upstream calls / requests | window ms |")
     add("| --- | --- | --- | --- | --- | --- |")
     for run in h["turns"]:

@@ -138,16 +138,36 @@ def concurrency_to_cover(throughput, latency_ms, base, cap):
     return int(min(cap, 8 * math.ceil(needed / 8)))
 
 
+def queue_limit(repository):
+    """The smallest max_queue_size of the ensemble's steps: perf_analyzer starts all its requests
+    at once, and a burst larger than a step's queue is refused there by design (admission control)."""
+    limits = []
+    for step in ("preprocess", "classifier"):
+        config = model_config.read(repository / step / "config.pbtxt")
+        if config.HasField("dynamic_batching") and config.dynamic_batching.default_queue_policy.max_queue_size:
+            limits.append(config.dynamic_batching.default_queue_policy.max_queue_size)
+    return min(limits, default=math.inf)
+
+
+def latency_to_cover(throughput, latency_ms, base, cap):
+    """The LLM latency figure 2 can hide at concurrency `cap` or less: `latency_ms`, or, where the
+    concurrency that covers it would pass the cap, the longest whole 100 ms that fits."""
+    if concurrency_to_cover(throughput, latency_ms, base, math.inf) <= cap:
+        return latency_ms
+    return max(100, 100 * math.floor((cap - base) / 1.5 / max(throughput, 0.1) * 1000.0 / 100))
+
+
 def measure_latency_hiding(ctx, p):
     """Figure 2: the ensemble with a slow LLM vs an instant one, same concurrency."""
     ctx.llm.set_latency(0)
     probe = ctx.pa("classify_and_describe", p["cover_base_c"])
-    concurrency = concurrency_to_cover(probe["throughput"], p["cover_latency_ms"], p["cover_base_c"],
-                                       p["cover_max_c"])
+    cap = min(p["cover_max_c"], queue_limit(ctx.triton.repository))
+    latency_ms = latency_to_cover(probe["throughput"], p["cover_latency_ms"], p["cover_base_c"], cap)
+    concurrency = concurrency_to_cover(probe["throughput"], latency_ms, p["cover_base_c"], cap)
     log(f"ensemble 0 ms at c={p['cover_base_c']}: {probe['throughput']:.1f}/s -> "
-        f"concurrency {concurrency} covers {p['cover_latency_ms']} ms")
+        f"concurrency {concurrency} covers {latency_ms} ms (at most {cap} in flight)")
     # Turns A B (B A): with two repeats, a drift in the machine's load weighs on both sides alike.
-    order = (0, p["cover_latency_ms"]) + ((p["cover_latency_ms"], 0) if p["hiding_abba"] else ())
+    order = (0, latency_ms) + ((latency_ms, 0) if p["hiding_abba"] else ())
     turns = []
     for latency in order:
         ctx.llm.set_latency(latency)
@@ -168,7 +188,8 @@ def measure_latency_hiding(ctx, p):
     fast = [t for t in turns if t["llm_latency_ms"] == 0]
     slow = [t for t in turns if t["llm_latency_ms"] != 0]
     ratio = sum(t["throughput"] for t in slow) / max(sum(t["throughput"] for t in fast), 1e-9)
-    return {"concurrency": concurrency, "latency_ms": p["cover_latency_ms"], "probe": probe,
+    return {"concurrency": concurrency, "latency_ms": latency_ms, "wanted_latency_ms": p["cover_latency_ms"],
+            "in_flight_cap": cap, "probe": probe,
             "fast": fast[0], "slow": slow[0], "turns": turns, "ratio": ratio}
 
 
