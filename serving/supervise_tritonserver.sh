@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Run tritonserver with the Python-stub watchdog beside it, announce when it is
-# ready, and stop both cleanly on INT/TERM. The same supervisor runs natively
+# Run tritonserver with the Python-stub watchdog and the OpenAI front beside it,
+# announce when they are ready, and stop them all cleanly on INT/TERM. If the
+# front exits (bad settings at start, or a crash or OOM kill later), the server
+# is stopped too and the supervisor exits non-zero, so a container restarts
+# instead of staying up with port 8003 dead. The same supervisor runs natively
 # (scripts/serve.sh execs it) and in the container (the Dockerfile's CMD and
 # deploy/'s args), so a dead stub is reloaded everywhere, not only in `make run`,
 # and the control APIs are restricted everywhere (below), not only where someone
@@ -39,6 +42,8 @@
 #   OPENAI_PORT=8003            its port, on the HTTP endpoint's address; it talks to
 #                               this server's gRPC port. OPENAI_FRONT_API_KEY(_FILE)
 #                               and the rest: openai_front/settings.py
+# Exit status: the server's own when it exits; 0 after INT/TERM; the front's
+# (1 if that was 0) when the front exits first.
 # Needs a python3 on PATH (standard library only, but for the front).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -66,7 +71,7 @@ case "$http_address" in
 esac
 
 server_pid="" watchdog_pid="" front_pid=""
-stop() {
+shut_down() {
   trap - INT TERM
   # The watchdog reloads nothing from now on, and once the server is gone it
   # stops any stub process left running (see serving/stub_watchdog.py).
@@ -80,6 +85,9 @@ stop() {
   fi
   [[ -z "$watchdog_pid" ]] || wait "$watchdog_pid" 2>/dev/null || true
   [[ -z "$front_pid" ]] || wait "$front_pid" 2>/dev/null || true
+}
+stop() {
+  shut_down
   exit 0
 }
 # Set before anything starts: a TERM that comes early still stops what did start.
@@ -149,11 +157,14 @@ if [[ "${OPENAI_FRONT:-1}" != "0" ]]; then
     --triton-grpc-url "$grpc_host:$grpc_port" &
   front_pid=$!
   where="$where  OpenAI http://$http_address:${OPENAI_PORT:-8003}/v1"
+  front_health="http://$http_host:${OPENAI_PORT:-8003}/health"
 fi
 
-python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" "$where" <<'PY' &
+# READY once the server is ready and the front (if any) answers.
+python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" "$where" "${front_health:-}" <<'PY' &
 import os, sys, time, urllib.request
-host, http, timeout, pid, where = sys.argv[1:]
+host, http, timeout, pid, where, front_health = sys.argv[1:]
+urls = [f"http://{host}:{http}/v2/health/ready"] + ([front_health] if front_health else [])
 deadline = time.monotonic() + float(timeout)
 while time.monotonic() < deadline:
     try:
@@ -161,10 +172,14 @@ while time.monotonic() < deadline:
     except OSError:
         sys.exit(0)  # the server exited; its own log says why
     try:
-        with urllib.request.urlopen(f"http://{host}:{http}/v2/health/ready", timeout=2) as r:
-            if r.status == 200:
-                print(f"\nserve: READY  {where}  (Ctrl-C or TERM stops)\n", file=sys.stderr, flush=True)
-                sys.exit(0)
+        while urls:
+            with urllib.request.urlopen(urls[0], timeout=2) as r:
+                if r.status != 200:
+                    break
+            urls.pop(0)
+        if not urls:
+            print(f"\nserve: READY  {where}  (Ctrl-C or TERM stops)\n", file=sys.stderr, flush=True)
+            sys.exit(0)
     except OSError:
         pass
     time.sleep(0.5)
@@ -172,6 +187,24 @@ print(f"serve: not ready after {timeout}s; see the log above", file=sys.stderr)
 PY
 
 set +e
+# Watch the server and the front. Polled: `wait -n` misses a job that ended
+# before it was called (a front that fails at start). bash reaps its children
+# at once, so kill -0 fails as soon as one has exited; the sleep runs in the
+# background so that a TERM is handled at once.
+while kill -0 "$server_pid" 2>/dev/null; do
+  if [[ -n "$front_pid" ]] && ! kill -0 "$front_pid" 2>/dev/null; then
+    wait "$front_pid"
+    front_status=$?
+    front_pid=""
+    echo "serve: ERROR: the OpenAI front (port ${OPENAI_PORT:-8003}) exited with status $front_status;" \
+         "its log above says why. Stopping tritonserver so that the container restarts" \
+         "(OPENAI_FRONT=0 runs the server without the front)." >&2
+    shut_down
+    exit $(( front_status == 0 ? 1 : front_status ))
+  fi
+  sleep 1 &
+  wait $!
+done
 wait "$server_pid"
 status=$?
 [[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null

@@ -35,6 +35,7 @@ KEY_SECRET = "classify-describe-llm-key"
 ADMIN_KEY_SECRET = "classify-describe-admin-key"
 OPENAI_KEY_SECRET = "classify-describe-openai-key"
 PROBE_PATHS = {"live": "/v2/health/live", "ready": "/v2/health/ready"}
+FRONT_READY_PATH = "/health/ready"  # openai_front: ready when Triton answers it over gRPC
 
 
 # -- a small kustomize ---------------------------------------------------------
@@ -257,15 +258,25 @@ def dockerfile_cmd():
 
 
 def check_probes(container, port_names):
+    """Startup and liveness ask Triton's HTTP port. Readiness asks the OpenAI front
+    when the supervisor starts one (OPENAI_FRONT is not "0"): a dead or broken
+    front must take the pod out of the Service, and the front's /health/ready is
+    Triton's readiness over gRPC, so it covers both. Without the front, Triton's."""
     ports = {p.get("name"): p["containerPort"] for p in container["ports"]}
     ports.update({p["containerPort"]: p["containerPort"] for p in container["ports"]})
-    for probe, path in (("startupProbe", PROBE_PATHS["ready"]), ("livenessProbe", PROBE_PATHS["live"]),
-                        ("readinessProbe", PROBE_PATHS["ready"])):
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    front = env.get("OPENAI_FRONT", "1") != "0"
+    ready = ((FRONT_READY_PATH, "openai", env.get("OPENAI_PORT", "8003")) if front
+             else (PROBE_PATHS["ready"], "http", flag(container["args"], "http-port")))
+    for probe, (path, role, number) in (
+            ("startupProbe", (PROBE_PATHS["ready"], "http", flag(container["args"], "http-port"))),
+            ("livenessProbe", (PROBE_PATHS["live"], "http", flag(container["args"], "http-port"))),
+            ("readinessProbe", ready)):
         get = container[probe]["httpGet"]
         assert get["path"] == path, f"{probe} must GET {path}"
         port = ports[get["port"]]
-        assert port_names.get(port) == "http", f"{probe} must probe the HTTP port, not {port}"
-        assert flag(container["args"], "http-port") == str(port)
+        assert port_names.get(port) == role, f"{probe} must probe the {role} port, not {port}"
+        assert str(port) == number, f"{probe} probes {port}, where nothing listens ({role} is on {number})"
 
 
 def check_graceful_shutdown(container, spec):

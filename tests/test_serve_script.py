@@ -197,3 +197,82 @@ def test_a_term_at_any_moment_of_startup_leaves_nothing_running(tmp_path):
                 os.killpg(supervisor.pid, signal.SIGKILL)  # only the group this test started
             except ProcessLookupError:
                 pass
+
+
+def start_supervisor(tmp_path, **env):
+    """The supervisor with the stand-in server (its TERM marker at tmp_path/got_term)
+    and the real front; (process, http port, front port)."""
+    http_port, openai_port = free_port(), free_port()
+    (tmp_path / "fake_tritonserver.py").write_text(FAKE_SERVER)
+    supervisor = subprocess.Popen(
+        [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(tmp_path / "fake_tritonserver.py"),
+         str(tmp_path / "got_term"), f"--http-port={http_port}", "--http-address=127.0.0.1",
+         "--grpc-address=127.0.0.1", f"--grpc-port={free_port()}", f"--metrics-port={free_port()}"],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={"PATH": VENV_PATH, "STUB_WATCHDOG_INTERVAL_S": "0.2", "TMPDIR": str(tmp_path),
+             "OPENAI_PORT": str(openai_port), **env})
+    return supervisor, http_port, openai_port
+
+
+def assert_group_gone(pgid, within_s=10):
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("processes of the supervisor's group are still running")
+
+
+def test_a_front_that_cannot_start_stops_the_server_and_fails_the_supervisor(tmp_path):
+    """Bad front settings (here OPENAI_FRONT_TIMEOUT_S; likewise an unedited key
+    Secret or a missing aiohttp): the front exits at once. The supervisor must not
+    go on serving Triton with port 8003 dead: it says so, stops the server and
+    exits non-zero, so the container restarts and the pod never becomes Ready."""
+    supervisor, _, openai_port = start_supervisor(tmp_path, OPENAI_FRONT_TIMEOUT_S="abc")
+    deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
+    deadline.start()
+    try:
+        stderr = supervisor.stderr.read()
+        status = supervisor.wait(timeout=60)
+    finally:
+        local_stack.stop_process(supervisor)
+        deadline.cancel()
+    assert status == 2, stderr  # the front's own exit status (openai_front: a ConfigError)
+    assert "OPENAI_FRONT_TIMEOUT_S='abc' is not a number" in stderr  # the front's reason
+    assert f"serve: ERROR: the OpenAI front (port {openai_port}) exited with status 2" in stderr
+    assert "READY" not in stderr
+    assert (tmp_path / "got_term").read_text() == "TERM", "the server is stopped"
+    assert_group_gone(supervisor.pid)
+
+
+def test_a_front_that_dies_later_stops_the_server_and_fails_the_supervisor(tmp_path):
+    """The front killed after READY (an OOM kill, a crash): the same end, and the
+    watchdog stops with the server."""
+    supervisor, _, openai_port = start_supervisor(tmp_path)
+    deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
+    deadline.start()
+    try:
+        for line in supervisor.stderr:
+            if "READY" in line:
+                break
+        else:
+            raise AssertionError("the supervisor never said READY")
+        # READY means the front answers too.
+        assert procfs.http_json(f"http://127.0.0.1:{openai_port}/health", timeout=2) == {"status": "ok"}
+        (front,) = [pid for pid in procfs.children(supervisor.pid) if "openai_front" in cmdline(pid)]
+        watchdogs = [pid for pid in procfs.children(supervisor.pid) if "serving.stub_watchdog" in cmdline(pid)]
+        assert len(watchdogs) == 1
+        os.kill(front, signal.SIGKILL)
+        rest = supervisor.stderr.read()
+        status = supervisor.wait(timeout=30)
+    finally:
+        local_stack.stop_process(supervisor)
+        deadline.cancel()
+    assert status == 128 + signal.SIGKILL, rest
+    assert f"serve: ERROR: the OpenAI front (port {openai_port}) exited with status 137" in rest
+    assert "stopping tritonserver" in rest
+    assert (tmp_path / "got_term").read_text() == "TERM", "the server is stopped"
+    assert not pathlib.Path(f"/proc/{watchdogs[0]}").exists(), "the watchdog stops with the server"
+    assert_group_gone(supervisor.pid)

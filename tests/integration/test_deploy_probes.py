@@ -2,9 +2,11 @@
 
 Paths come from the rendered manifests (every overlay and the KServe runtime),
 the ports are mapped by role: a probe on the container's HTTP port is sent to
-this server's HTTP port, the Prometheus scrape to its metrics port.
+this server's HTTP port, one on the openai port to the OpenAI front the
+supervisor started beside it, the Prometheus scrape to its metrics port.
 """
 
+import json
 import urllib.request
 
 import pytest
@@ -41,9 +43,12 @@ def get(url):
 @pytest.mark.parametrize("where, probe, path, role", manifest_probes(),
                          ids=lambda value: str(value))
 def test_manifest_probe_is_answered_200_by_the_server(triton, where, probe, path, role):
-    assert role == "http", f"{where} {probe} probes port {role}; Triton's health API is on the HTTP port"
-    status, _ = get(f"http://{triton.http_url}{path}")
+    address = {"http": triton.http_url, "openai": f"127.0.0.1:{triton.openai_port}"}
+    assert role in address, f"{where} {probe} probes port {role}, which has no health API"
+    status, body = get(f"http://{address[role]}{path}")
     assert status == 200
+    if role == "openai":
+        assert json.loads(body) == {"status": "ready"}  # the front's readiness is Triton's, asked over gRPC
 
 
 def test_prometheus_scrape_target_serves_the_series_the_autoscaler_uses(triton):
