@@ -31,8 +31,10 @@ def main(argv=None):
     urls = ", ".join(sorted(settings.image_url_allowlist)) or "none (data: URIs only)"
     print(f"openai_front: http://{settings.host}:{settings.port}/v1 -> Triton gRPC {settings.triton_grpc_url}; "
           f"{auth}; image URLs from: {urls}", file=sys.stderr, flush=True)
+    # handler_cancellation: a client that leaves cancels its handler, and with it
+    # the gRPC call (Triton then cancels the request, and the LLM call with it).
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
-                shutdown_timeout=30)
+                shutdown_timeout=30, handler_cancellation=True)
     return 0
 
 

@@ -8,17 +8,20 @@ import json
 import logging
 import time
 
-import aiohttp
 from aiohttp import web
 
-from . import chat, responses
-from .errors import FrontError, invalid, too_large
+from . import chat, fetch, responses
+from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
 from .triton import TritonPool
 
 log = logging.getLogger("openai_front")
 OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # no key needed: probes and Prometheus
-SETTINGS, POOL, METRICS, FETCHER = (web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher"))
+SETTINGS, POOL, METRICS, FETCHER, BODIES = (web.AppKey(name, object)
+                                            for name in ("settings", "pool", "metrics", "fetcher", "bodies"))
+# Bodies larger than this are parsed and decoded in a worker thread: a 20 MB
+# image takes tens of ms, during which the loop would stall every open stream.
+OFFLOAD_BYTES = 256 * 1024
 
 
 def create_app(settings):
@@ -26,6 +29,7 @@ def create_app(settings):
     app = web.Application(client_max_size=settings.max_image_bytes * 4 // 3 + 1024 * 1024,
                           middlewares=[_errors_and_auth])
     app[SETTINGS] = settings
+    app[BODIES] = BodiesInFlight(settings.max_bodies_in_flight)
     app[METRICS] = Metrics(m.id for m in settings.models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
@@ -43,7 +47,7 @@ async def _start(app):
     app[POOL] = TritonPool(settings.triton_grpc_url, settings.grpc_channels, settings.timeout_s)
     app[FETCHER] = None
     if settings.image_url_allowlist:
-        app[FETCHER] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=settings.remote_fetch_timeout_s))
+        app[FETCHER] = fetch.session(settings.remote_fetch_timeout_s, settings.image_url_allow_private)
 
 
 async def _stop(app):
@@ -94,35 +98,43 @@ async def _errors_and_auth(request, handler):
     return error_response(error)
 
 
-async def _read_json(request):
+class BodiesInFlight:
+    """How many request bodies are being read, parsed and decoded at once: each
+    holds up to the body, its JSON string and the image bytes in memory. Past
+    the limit a request is refused at once (503, Retry-After), not queued."""
+
+    def __init__(self, limit):
+        self.limit, self.now = limit, 0
+
+    @contextlib.contextmanager
+    def slot(self):
+        if self.now >= self.limit:
+            raise unavailable(f"the front is reading {self.now} request bodies already "
+                              "(OPENAI_FRONT_MAX_BODIES_IN_FLIGHT); retry later")
+        self.now += 1
+        try:
+            yield
+        finally:
+            self.now -= 1
+
+
+def _parse_body(raw, settings):
     try:
-        return json.loads(await request.read())
-    except web.HTTPRequestEntityTooLarge:
-        raise
+        body = json.loads(raw)
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: absurd nesting
         raise invalid("the request body is not valid JSON") from None
+    return chat.parse(body, settings.max_image_bytes, settings.image_url_allowlist, settings.image_url_allow_private)
 
 
-async def _fetch_image(app, url):
-    """An allowlisted URL's bytes (chat.check_remote_url ran first). Redirects
-    are not followed: they could lead off the allowlist."""
-    limit = app[SETTINGS].max_image_bytes
-    try:
-        async with app[FETCHER].get(url, allow_redirects=False) as response:
-            if response.status != 200:
-                raise invalid(f"fetching the image URL answered HTTP {response.status}")
-            data = bytearray()
-            # read(n) returns what has arrived, up to n bytes: loop to the end or past the limit.
-            while len(data) <= limit:
-                chunk = await response.content.read(limit + 1 - len(data))
-                if not chunk:
-                    break
-                data += chunk
-    except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-        raise invalid(f"fetching the image URL failed ({type(error).__name__})") from None
-    if len(data) > limit:
-        raise too_large(f"the image at the URL is more than the {limit} bytes allowed")
-    return bytes(data)
+async def read_request(request):
+    """The request's ChatRequest: the body read, parsed and its image decoded,
+    in a worker thread when the body is large."""
+    settings = request.app[SETTINGS]
+    with request.app[BODIES].slot():
+        raw = await request.read()
+        if len(raw) > OFFLOAD_BYTES:
+            return await asyncio.to_thread(_parse_body, raw, settings)
+        return _parse_body(raw, settings)
 
 
 def _model(settings, model_id):
@@ -139,20 +151,28 @@ async def chat_completions(request):
     model_id, stream, status, usage = None, False, 500, None
     metrics.in_flight += 1
     try:
-        parsed = chat.parse(await _read_json(request), settings.max_image_bytes, settings.image_url_allowlist)
+        parsed = await read_request(request)
         model_id, stream = parsed.model, parsed.stream
         model = _model(settings, parsed.model)
-        image = parsed.image if parsed.image is not None else await _fetch_image(app, parsed.image_url)
+        image = (parsed.image if parsed.image is not None
+                 else await fetch.fetch_image(app[FETCHER], parsed.image_url, settings.max_image_bytes))
         if parsed.stream:
             response, usage, status = await _stream(request, model, parsed, image)
             return response
         answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, parsed.parameters)
         usage, status = answer.usage, 200
-        return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
+        return web.json_response(responses.completion(responses.completion_id(), model.id, answer,
+                                                      max_tokens=parsed.parameters.get("max_tokens")))
     except FrontError as error:
         status = error.status
         if status >= 500:
             log.warning("openai_front: %s %s", status, error.message)
+        raise
+    except asyncio.CancelledError:
+        # The client left (aiohttp's handler_cancellation): the gRPC call was
+        # cancelled with this task, and Triton cancels the request.
+        status = 499
+        metrics.error(499, "client_closed_request")
         raise
     finally:
         metrics.in_flight -= 1
@@ -187,11 +207,14 @@ async def _stream(request, model, parsed, image):
                 await response.write(responses.sse(error.body()))
                 await response.write_eof()
                 return response, None, error.status
-            await response.write(chunks.last(answer.source, answer.usage))
+            await response.write(chunks.last(answer.source, answer.usage, parsed.parameters.get("max_tokens")))
             await response.write_eof()
         except ConnectionResetError:
-            # The client left: leaving this block closes `events`, which cancels
-            # the gRPC stream, and the streaming model stops its LLM call.
+            # The client left while a chunk was written: leaving this block closes
+            # `events`, which cancels the gRPC stream, and the streaming model stops
+            # its LLM call. When it leaves while the front waits on Triton, aiohttp
+            # cancels the handler instead (handler_cancellation), and the
+            # cancellation closes `events` the same way (chat_completions counts it).
             request.app[METRICS].error(499, "client_closed_request")
             return response, None, 499
         return response, answer.usage, 200

@@ -6,10 +6,14 @@ describe step accepts. Pure: no I/O, no Triton."""
 import base64
 import binascii
 import dataclasses
+import ipaddress
 import math
 import urllib.parse
 
 from .errors import FrontError, invalid, too_large
+
+MAX_TOKENS_LIMIT = 2**31 - 1  # far above any model's output; the describe step then applies its own limit
+DEFAULT_PORTS = (80, 443)     # the only ports of an allowlisted host, unless an entry says host:port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +27,7 @@ class ChatRequest:
     parameters: dict = dataclasses.field(default_factory=dict)  # Triton request parameters
 
 
-def parse(body, max_image_bytes, url_allowlist=frozenset()):
+def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addresses=False):
     """Validate one decoded JSON body; raise FrontError (4xx) naming the field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -67,7 +71,8 @@ def parse(body, max_image_bytes, url_allowlist=frozenset()):
         image = decode_data_uri(image_url, max_image_bytes, param=f"messages[{index}].content")
         image_url = None
     else:
-        check_remote_url(image_url, url_allowlist, param=f"messages[{index}].content")
+        check_remote_url(image_url, url_allowlist, param=f"messages[{index}].content",
+                         allow_private_addresses=allow_private_addresses)
     return ChatRequest(model=model, image=image, image_url=image_url, prompt=prompt, stream=stream,
                        include_usage=include_usage, parameters=_sampling(body))
 
@@ -86,6 +91,11 @@ def _user_content(content, param):
         if kind == "text":
             if not isinstance(part.get("text"), str):
                 raise invalid("a text part needs 'text', a string", param=where)
+            try:
+                part["text"].encode("utf-8")
+            except UnicodeEncodeError:  # JSON's \ud800 escapes decode to lone surrogates
+                raise invalid("a text part is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
+                              param=where) from None
             texts.append(part["text"])
         elif kind == "image_url":
             image_url = part.get("image_url")
@@ -127,21 +137,54 @@ def decode_data_uri(uri, max_bytes, param=None):
     return image
 
 
-def check_remote_url(url, allowlist, param=None):
-    """Only http(s) URLs whose host is on the allowlist: the front must not be a
-    way to reach hosts its clients cannot (cloud metadata, internal services)."""
+def check_remote_url(url, allowlist, param=None, allow_private_addresses=False):
+    """Only http(s) URLs whose host is on the allowlist, on port 80 or 443 unless
+    an entry names `host:port`, and never an IP literal that is not public: the
+    front must not be a way to reach hosts its clients cannot (cloud metadata,
+    internal services). Names are checked again after DNS (fetch.py)."""
     try:
         parts = urllib.parse.urlsplit(url)
         host = (parts.hostname or "").lower()
-        parts.port  # noqa: B018  # raises ValueError on a malformed port
+        port = parts.port  # raises ValueError on a malformed port
     except ValueError:
         raise invalid("the image URL is malformed", param=param) from None
     if parts.scheme not in ("http", "https") or not host:
         raise invalid("the image must be a data: URI (data:image/jpeg;base64,...) or an http(s) URL", param=param)
-    if host not in allowlist:
+    port = port if port is not None else (443 if parts.scheme == "https" else 80)
+    host_port = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if not (host_port in allowlist or (host in allowlist and port in DEFAULT_PORTS)):
         raise FrontError(400, "remote image URLs are refused: send the image as a data: URI "
-                              "(the server's OPENAI_FRONT_IMAGE_URL_ALLOWLIST does not list this host)",
+                              "(the server's OPENAI_FRONT_IMAGE_URL_ALLOWLIST does not list this host, "
+                              "or this port: only 80 and 443 unless an entry says host:port)",
                          param=param, code="image_url_not_allowed")
+    if _is_ip_literal(host) and not address_allowed(host, allow_private_addresses):
+        raise FrontError(400, "the image URL is refused: its host is a loopback, private or otherwise "
+                              "non-public address", param=param, code="image_url_not_allowed")
+
+
+def _is_ip_literal(host):
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def address_allowed(address, allow_private=False):
+    """Whether the front may connect to this IP address: public unicast only
+    (no loopback, private, link-local, shared, multicast, reserved or
+    unspecified address; an IPv4-mapped IPv6 address counts as its IPv4 one).
+    allow_private (OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE, for tests) lifts that."""
+    if allow_private:
+        return True
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone id ("fe80::1%eth0")
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not (ip.is_multicast or ip.is_reserved or ip.is_loopback or ip.is_link_local
+                                 or ip.is_private or ip.is_unspecified)
 
 
 def _sampling(body):
@@ -150,14 +193,18 @@ def _sampling(body):
     parameters = {}
     temperature = body.get("temperature")
     if temperature is not None:
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature):
+        try:  # an integer too long for a float (10**400) is no number either
+            valid = not isinstance(temperature, bool) and isinstance(temperature, (int, float)) and math.isfinite(temperature)
+        except OverflowError:
+            valid = False
+        if not valid:
             raise invalid("'temperature' must be a number", param="temperature")
         parameters["temperature"] = float(temperature)
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise invalid(f"'{name}' must be a positive integer", param=name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TOKENS_LIMIT:
+            raise invalid(f"'{name}' must be a positive integer, at most {MAX_TOKENS_LIMIT}", param=name)
         parameters.setdefault("max_tokens", value)
     return parameters

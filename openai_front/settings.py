@@ -7,8 +7,14 @@ __main__). Every name is documented in the README's OpenAI section.
                                        `Authorization: Bearer <key>`; without
                                        one the front is open (and says so)
   OPENAI_FRONT_IMAGE_URL_ALLOWLIST     comma-separated host names whose
-                                       http(s) image URLs may be fetched;
-                                       empty (default): data: URIs only
+                                       http(s) image URLs may be fetched, on
+                                       ports 80 and 443 (`host:port` for
+                                       another); empty (default): data: URIs only
+  OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE=0  1: also fetch from loopback and
+                                       private addresses. DANGEROUS (the front
+                                       then reaches internal services); for tests
+  OPENAI_FRONT_MAX_BODIES_IN_FLIGHT=16  request bodies read and decoded at
+                                       once; more are refused (503, Retry-After)
   OPENAI_FRONT_MAX_IMAGE_BYTES=20971520  the preprocess step's own limit
   OPENAI_FRONT_GRPC_CHANNELS=2         gRPC channels to Triton, used in turn
   OPENAI_FRONT_TIMEOUT_S=60            one request's deadline at Triton
@@ -39,7 +45,9 @@ class Settings:
     triton_grpc_url: str = "127.0.0.1:8001"
     api_key: str = dataclasses.field(default=None, repr=False)  # never printed
     api_key_source: str = ""
-    image_url_allowlist: frozenset = frozenset()
+    image_url_allowlist: frozenset = frozenset()  # "host" (ports 80, 443) or "host:port"
+    image_url_allow_private: bool = False        # dangerous: for tests on loopback only
+    max_bodies_in_flight: int = 16
     max_image_bytes: int = 20 * 1024 * 1024
     grpc_channels: int = 2
     timeout_s: float = 60.0
@@ -61,6 +69,30 @@ def _int(environ, name, default, minimum):
     if value < minimum:
         raise ConfigError(f"{name}={value} must be at least {minimum}")
     return value
+
+
+def _bool(environ, name, default):
+    raw = environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} must be 1 or 0")
+
+
+def _allowlist(environ):
+    entries = set()
+    for entry in environ.get("OPENAI_FRONT_IMAGE_URL_ALLOWLIST", "").split(","):
+        entry = entry.strip().lower()
+        if not entry:
+            continue
+        host, colon, port = entry.rpartition(":")
+        if colon and not host.endswith(":") and not (port.isdigit() and 0 < int(port) < 65536 and host):
+            raise ConfigError(f"OPENAI_FRONT_IMAGE_URL_ALLOWLIST: {entry!r} is neither a host nor host:port")
+        entries.add(entry)
+    return frozenset(entries)
 
 
 def _float(environ, name, default):
@@ -102,15 +134,15 @@ def load_api_key(environ):
 def from_environ(environ=None, **overrides):
     environ = os.environ if environ is None else environ
     api_key, api_key_source = load_api_key(environ)
-    allowlist = frozenset(h.strip().lower() for h in environ.get("OPENAI_FRONT_IMAGE_URL_ALLOWLIST", "").split(",")
-                          if h.strip())
     values = dict(
         host=environ.get("OPENAI_ADDRESS") or environ.get("LISTEN_ADDRESS") or "127.0.0.1",
         port=_int(environ, "OPENAI_PORT", 8003, 0),
         triton_grpc_url=environ.get("TRITON_GRPC_URL") or "127.0.0.1:8001",
         api_key=api_key,
         api_key_source=api_key_source,
-        image_url_allowlist=allowlist,
+        image_url_allowlist=_allowlist(environ),
+        image_url_allow_private=_bool(environ, "OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE", False),
+        max_bodies_in_flight=_int(environ, "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT", 16, 1),
         max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
         grpc_channels=_int(environ, "OPENAI_FRONT_GRPC_CHANNELS", 2, 1),
         timeout_s=_float(environ, "OPENAI_FRONT_TIMEOUT_S", 60.0),

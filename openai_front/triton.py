@@ -3,24 +3,41 @@ few tritonclient.grpc.aio channels used in turn (each channel multiplexes
 every request in flight on it over HTTP/2). Triton's outputs become a plain
 `Answer`; Triton's errors become FrontErrors with the status a client acts on."""
 
+import asyncio
 import dataclasses
 import itertools
 import json
+import re
 
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+from tritonclient.grpc import InferResult
+from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 from .errors import FrontError, invalid, unavailable
 
 OUTPUTS = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")
+
 # A decoupled model's errors reach a gRPC stream as text only, without a status
-# code; these say the server is overloaded or going away (503, retry), others
-# are that request's input (400) -- the ensemble's steps refuse bad input with
-# messages naming the input.
-_UNAVAILABLE_TEXT = ("exceeds maximum queue size", "unavailable", "server is stopping", "not ready")
-_INPUT_NAMES = ("IMAGE", "PROMPT", "temperature", "max_tokens")
+# code, so the stream's errors are read from the exact texts the project and
+# Triton send (backends/openai_describe/model.py; Triton 2.51's core):
+UPSTREAM_FAILED = "the LLM upstream could not answer ("  # on_failure=error (UNAVAILABLE)
+MODEL_UNLOADING = "the model is unloading"               # the describe step at unload (UNAVAILABLE)
+REQUEST_CANCELLED = "request cancelled"                  # the describe step (CANCELLED)
+UNKNOWN_MODEL = "Request for unknown model"              # Triton: the model is not loaded (NOT_FOUND)
+NO_VERSIONS = "has no available versions"                # Triton: loading or unloading (NOT_FOUND)
+QUEUE_FULL = "Exceeds maximum queue size"                # Triton: the queue is full (UNAVAILABLE)
+SERVER_STOPPING = "Server is stopping"                   # Triton: shutting down (UNAVAILABLE)
+# The refusals (INVALID_ARG) of the preprocess and describe steps begin with the input
+# or parameter they refuse (image_decode.InvalidImage, prompting.PromptError,
+# settings.InvalidOverride, model.InvalidInput), each mapped to the request field it came from.
+REFUSALS = {"IMAGE ": "messages", "PROMPT ": "messages", "temperature ": "temperature",
+            "max_tokens ": "max_tokens", "parameter 'temperature'": "temperature",
+            "parameter 'max_tokens'": "max_tokens", "timeout_s ": None, "parameter '": None, "model '": None}
+# Triton puts these before a step's message: "in ensemble 'x', " and "[request id: y] ".
+_PREFIXES = re.compile(r"^(?:in ensemble '[^']*', |\[request id: [^\]]*\] )*")
 
 
 @dataclasses.dataclass
@@ -37,8 +54,24 @@ def inputs_for(image, prompt):
     tensors[0].set_data_from_numpy(np.array([[image]], dtype=np.object_))
     if prompt is not None:
         tensors.append(grpcclient.InferInput("PROMPT", [1, 1], "BYTES"))
-        tensors[1].set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
+        tensors[1].set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=np.object_))
     return tensors
+
+
+def build_request(model, image, prompt=None, parameters=None):
+    """The ModelInferRequest, built here in the handler: an input that cannot
+    be sent is that request's 400, never an error inside gRPC's request
+    iterator (which the stream swallows and answers with a cancelled call)."""
+    try:
+        return _get_inference_request(
+            model_name=model, inputs=inputs_for(image, prompt), model_version="", request_id="", outputs=None,
+            sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
+            parameters=parameters or None)
+    except UnicodeEncodeError:
+        raise invalid("the text parts are not valid Unicode (a lone surrogate?)", param="messages") from None
+    except (ValueError, TypeError, OverflowError, InferenceServerException) as error:
+        message = error.message() if isinstance(error, InferenceServerException) else str(error)
+        raise invalid(f"the request cannot be sent to the pipeline: {message}") from None
 
 
 def read_outputs(result, answer):
@@ -70,7 +103,8 @@ def _first_string(result, name):
 
 
 def front_error(error):
-    """A tritonclient/gRPC error -> FrontError."""
+    """A tritonclient/gRPC error -> FrontError. The known texts first (a
+    stream's errors have no status code), then the gRPC status."""
     if isinstance(error, FrontError):
         return error
     if isinstance(error, InferenceServerException):
@@ -79,26 +113,42 @@ def front_error(error):
         status, message = str(error.code()), error.details() or ""
     else:
         status, message = "", str(error)
-    if "INVALID_ARGUMENT" in status:
-        return invalid(message)
+    text = _PREFIXES.sub("", message)
+    if text.startswith(UPSTREAM_FAILED):
+        return FrontError(503, f"{text}; retry later", type="service_unavailable", code="upstream_unavailable",
+                          retry_after_s=1)
+    if text.startswith((UNKNOWN_MODEL, MODEL_UNLOADING)) or NO_VERSIONS in text:
+        return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
+    if QUEUE_FULL in text or text.startswith(SERVER_STOPPING):
+        return unavailable(f"the server is overloaded or restarting ({text}); retry later")
+    if "INVALID_ARGUMENT" in status or (not status and text.startswith(tuple(REFUSALS))):
+        param = next((field for start, field in REFUSALS.items() if text.startswith(start)), None)
+        return invalid(message, param=param)
     if "DEADLINE_EXCEEDED" in status:
         return FrontError(504, "the pipeline did not answer in time", type="timeout", code="timeout")
-    if "UNAVAILABLE" in status and "queue" in message.lower():
-        return unavailable(f"the server is overloaded ({message}); retry later")
-    if any(s in status for s in ("UNAVAILABLE", "NOT_FOUND", "RESOURCE_EXHAUSTED", "CANCELLED")):
+    if text == REQUEST_CANCELLED or any(s in status for s in ("UNAVAILABLE", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+                                                              "CANCELLED")):
         # Triton down or restarting, or the ensemble not loaded (yet).
         return unavailable("the inference server is unavailable; retry later")
-    if not status:  # a stream error: text only
-        lowered = message.lower()
-        if any(s in lowered for s in _UNAVAILABLE_TEXT):
-            return unavailable(f"the server is overloaded or restarting ({message}); retry later")
-        if any(name in message for name in _INPUT_NAMES):
-            return invalid(message)
     return FrontError(500, f"the pipeline failed: {message}", type="server_error", code="server_error")
 
 
+def _call_cancelled():
+    """A CancelledError out of a gRPC call that is not this task's own
+    cancellation (the client left: re-raise that one): gRPC cancelled the call
+    itself, for example as the channel closed at shutdown."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        return None
+    return unavailable("the call to the inference server was cancelled; retry later")
+
+
 class TritonPool:
-    """Create inside the running event loop (gRPC aio channels belong to it)."""
+    """Create inside the running event loop (gRPC aio channels belong to it).
+
+    The calls go through each client's stub with a request built beforehand
+    (build_request): tritonclient's own stream_infer builds the request inside
+    gRPC's request iterator, where an error is swallowed and the call cancelled."""
 
     def __init__(self, url, channels=2, timeout_s=60.0):
         self.url = url
@@ -116,32 +166,47 @@ class TritonPool:
         except (InferenceServerException, grpc.RpcError):
             return False
 
+    def _stub(self):
+        return next(self._next)._client_stub
+
     async def infer(self, model, image, prompt=None, parameters=None):
+        request = build_request(model, image, prompt, parameters)
         try:
-            result = await next(self._next).infer(model, inputs_for(image, prompt), parameters=parameters or None,
-                                                   client_timeout=self.timeout_s)
-        except (InferenceServerException, grpc.RpcError) as error:
+            response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
             raise front_error(error) from None
+        except asyncio.CancelledError:
+            error = _call_cancelled()
+            if error is None:
+                raise
+            raise error from None
         answer = Answer()
-        read_outputs(result, answer)
+        read_outputs(InferResult(response), answer)
         return answer
 
     async def stream(self, model, image, prompt=None, parameters=None):
         """Yield (answer so far, the text chunk it just got) per response of the
         decoupled model; the stream ends after the model's final response
         (one request, then the request side closes)."""
-        async def one_request():
-            yield {"model_name": model, "inputs": inputs_for(image, prompt), "parameters": parameters or None}
+        request = build_request(model, image, prompt, parameters)
 
-        responses = next(self._next).stream_infer(one_request(), stream_timeout=self.timeout_s)
+        async def one_request():
+            yield request
+
+        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s)
         answer = Answer()
         try:
-            async for result, error in responses:
-                if error is not None:
-                    raise front_error(error)
-                text = read_outputs(result, answer)
+            async for response in call:
+                if response.error_message:
+                    raise front_error(InferenceServerException(msg=response.error_message))
+                text = read_outputs(InferResult(response.infer_response), answer)
                 yield answer, text
-        except (InferenceServerException, grpc.RpcError) as error:
+        except grpc.RpcError as error:
             raise front_error(error) from None
+        except asyncio.CancelledError:
+            error = _call_cancelled()
+            if error is None:
+                raise
+            raise error from None
         finally:
-            responses.cancel()  # a client that went away stops the stream at Triton too
+            call.cancel()  # a client that went away stops the stream at Triton too

@@ -2,13 +2,20 @@
 objects it answers with, Triton errors -> HTTP statuses, settings, metrics.
 The front against a real server: tests/integration/test_openai_front.py."""
 
+import asyncio
 import base64
 import json
+import socket
+import threading
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from tritonclient.utils import InferenceServerException
 
-from openai_front import chat, responses, settings
+from openai_front import app as front_app
+from openai_front import chat, responses, settings, triton
 from openai_front.errors import FrontError
 from openai_front.metrics import Metrics
 from openai_front.triton import Answer, front_error
@@ -117,7 +124,16 @@ def test_a_data_uri_at_the_limit_and_a_percent_encoded_one_are_read():
 
 @pytest.mark.parametrize("url, allowlist, allowed", [
     ("https://images.example.com/cat.jpg", {"images.example.com"}, True),
-    ("http://IMAGES.example.com:8080/cat.jpg", {"images.example.com"}, True),
+    ("http://IMAGES.example.com:80/cat.jpg", {"images.example.com"}, True),
+    ("https://images.example.com:443/cat.jpg", {"images.example.com"}, True),
+    ("http://images.example.com:8080/cat.jpg", {"images.example.com:8080"}, True),
+    ("http://images.example.com:8080/cat.jpg", {"images.example.com"}, False),  # any port: 80 and 443 only
+    ("http://images.example.com:2379/", {"images.example.com:8080"}, False),
+    ("http://images.example.com/cat.jpg", {"images.example.com:8080"}, False),  # host:port names that port only
+    ("http://127.0.0.1/x", {"127.0.0.1"}, False),  # an IP literal that is not public, even listed
+    ("http://[::1]:8080/x", {"[::1]:8080"}, False),
+    ("http://[::ffff:169.254.169.254]/x", {"::ffff:169.254.169.254"}, False),
+    ("http://93.184.216.34/x", {"93.184.216.34"}, True),
     ("https://images.example.com/cat.jpg", set(), False),
     ("http://169.254.169.254/latest/meta-data/", {"images.example.com"}, False),
     ("http://images.example.com.evil.net/x", {"images.example.com"}, False),
@@ -263,3 +279,383 @@ def test_the_bench_section_renders_every_committed_front_run():
         assert f"{run['latency']['added_p50_ms']:+.2f} ms" in text
         added, ratio = openai_front.targets(run)
         assert added.measured == run["latency"]["added_p50_ms"] and ratio.measured == run["throughput_ratio"]
+
+
+# -- review findings: requests that parse but cannot be sent, the URL policy after
+# DNS, clients that leave, stream errors, large bodies, finish_reason ------------
+
+def surrogate_body(**extra):
+    return json.dumps(body(text="\ud800", **extra))  # json.dumps writes it as the escape "\\ud800"
+
+
+@pytest.mark.parametrize("payload, param", [
+    (body(text="\ud800"), "messages[0].content[0]"),
+    (body(text="ok \udfff ok"), "messages[0].content[0]"),
+    (body(max_tokens=2**63), "max_tokens"),
+    (body(max_tokens=2**31), "max_tokens"),
+    (body(max_tokens=-1), "max_tokens"),
+    (body(max_tokens=False), "max_tokens"),
+    (body(max_completion_tokens=10**30), "max_completion_tokens"),
+    (body(temperature=10**400), "temperature"),  # too long for a float: OverflowError
+])
+def test_values_json_accepts_but_triton_cannot_take_are_400_naming_the_field(payload, param):
+    error = refused(payload)
+    assert error.status == 400 and error.param == param, error.message
+    assert chat.parse(body(max_tokens=chat.MAX_TOKENS_LIMIT), 10_000).parameters == {"max_tokens": 2**31 - 1}
+
+
+@pytest.mark.parametrize("prompt, parameters", [
+    ("\ud800", None),
+    ("ok", {"max_tokens": 2**63}),
+    ("ok", {"max_tokens": [1]}),
+    ("ok", {"sequence_id": 1}),  # a parameter Triton reserves
+])
+def test_a_request_that_cannot_be_built_is_a_400_before_any_call(prompt, parameters):
+    with pytest.raises(FrontError) as error:
+        triton.build_request("m", PNG, prompt, parameters)
+    assert error.value.status == 400
+
+
+class FakeStub:
+    """The gRPC stub's two calls, failing as told, recording whether they were made."""
+
+    def __init__(self, fail=None, responses=()):
+        self.fail, self.responses, self.calls = fail, list(responses), []
+
+    async def ModelInfer(self, request, timeout=None):  # noqa: N802 - the stub's own name
+        self.calls.append(("infer", request))
+        if self.fail is not None:
+            raise self.fail
+        await asyncio.sleep(3600)
+
+    def ModelStreamInfer(self, requests, timeout=None):  # noqa: N802
+        stub = self
+
+        class Call:
+            cancelled = False
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                stub.calls.append(("stream", [r async for r in requests] if not stub.calls else None))
+                if stub.fail is not None:
+                    raise stub.fail
+                if stub.responses:
+                    return stub.responses.pop(0)
+                await asyncio.sleep(3600)
+
+            def cancel(self):
+                Call.cancelled = True
+
+        self.call = Call()
+        return self.call
+
+
+def pool_with(stub):
+    pool = triton.TritonPool.__new__(triton.TritonPool)
+    pool.timeout_s, pool._stub = 5.0, lambda: stub
+    return pool
+
+
+async def _drain(agen):
+    return [item async for item in agen]
+
+
+def test_an_unbuildable_stream_request_fails_in_the_handler_and_opens_no_call():
+    stub = FakeStub()
+    with pytest.raises(FrontError) as error:
+        asyncio.run(_drain(pool_with(stub).stream("m", PNG, "\ud800")))
+    assert error.value.status == 400 and stub.calls == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grpc_call_cancelled_under_the_front_is_a_clean_503_not_a_dropped_connection(stream):
+    stub = FakeStub(fail=asyncio.CancelledError())
+    pool = pool_with(stub)
+
+    async def main():
+        if stream:
+            return await _drain(pool.stream("m", PNG, "ok"))
+        return await pool.infer("m", PNG, "ok")
+
+    with pytest.raises(FrontError) as error:
+        asyncio.run(main())
+    assert error.value.status == 503 and "Retry-After" in error.value.headers() and stub.calls
+
+
+def test_the_tasks_own_cancellation_still_cancels_the_call():
+    stub = FakeStub()
+    pool = pool_with(stub)
+
+    async def main():
+        task = asyncio.ensure_future(_drain(pool.stream("m", PNG, "ok")))
+        for _ in range(500):
+            if stub.calls or task.done():
+                break
+            await asyncio.sleep(0.01)
+        assert stub.calls, "the call was made"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert stub.call.cancelled
+
+
+@pytest.mark.parametrize("message, status, param", [
+    # backends/openai_describe/model.py: on_failure=error, a stream's only text
+    ("the LLM upstream could not answer (rate_limited_http_429)", 503, None),
+    ("in ensemble 'classify_and_describe', the LLM upstream could not answer (timeout)", 503, None),
+    ("the model is unloading", 503, None),
+    ("internal error in the describe step", 500, None),
+    # Triton's own texts
+    ("Request for unknown model: 'classify_and_describe_stream' is not found", 503, None),
+    ("Request for unknown model: 'classify_and_describe_stream' has no available versions", 503, None),
+    ("in ensemble 'classify_and_describe', [request id: 6192] Exceeds maximum queue size", 503, None),
+    ("Server is stopping, scheduler for model has stopped accepting new inference requests", 503, None),
+    # refusals (INVALID_ARG), each beginning with what it refuses
+    ("in ensemble 'classify', IMAGE PNG data is corrupt or truncated: x", 400, "messages"),
+    ("IMAGE format GIF is not supported (use one of JPEG, PNG)", 400, "messages"),
+    ("PROMPT has 9000 characters, more than the limit max_prompt_chars=4000 (model config)", 400, "messages"),
+    ("temperature 1.9 is outside [0.0, 1.5]", 400, "temperature"),
+    ("max_tokens must be an integer in [1, 1024] (max_tokens_limit in the model config), got 5000", 400, "max_tokens"),
+    # other text that merely mentions an input name is no refusal
+    ("the stub process crashed while reading IMAGE", 500, None),
+    ("PROMPTLY failed", 500, None),
+])
+def test_stream_errors_map_on_the_exact_texts_the_project_sends(message, status, param):
+    mapped = front_error(InferenceServerException(message))  # a stream error: text only, no status
+    assert (mapped.status, mapped.param) == (status, param), mapped.message
+    assert ("Retry-After" in mapped.headers()) == (status == 503)
+    if "LLM upstream" in message:
+        assert mapped.code == "upstream_unavailable" and message[message.index("("):] in mapped.message
+
+
+def test_the_upstream_failure_of_the_plain_ensemble_says_so_too():
+    error = InferenceServerException("in ensemble 'classify_and_describe', the LLM upstream could not answer "
+                                     "(timeout)", status="StatusCode.UNAVAILABLE")
+    mapped = front_error(error)
+    assert mapped.status == 503 and "LLM upstream" in mapped.message and mapped.headers()["Retry-After"] == "1"
+
+
+@pytest.mark.parametrize("address, allowed", [
+    ("93.184.216.34", True), ("2606:4700::1", True),
+    ("127.0.0.1", False), ("::1", False), ("10.1.2.3", False), ("172.16.0.1", False), ("192.168.1.1", False),
+    ("169.254.169.254", False), ("fe80::1%eth0", False), ("100.64.0.1", False), ("0.0.0.0", False),
+    ("224.0.0.1", False), ("240.0.0.1", False), ("::ffff:127.0.0.1", False), ("fd00::1", False),
+    ("not an address", False),
+])
+def test_only_public_unicast_addresses_are_fetched_from(address, allowed):
+    assert chat.address_allowed(address) is allowed
+    assert chat.address_allowed(address, allow_private=True)
+
+
+class ListResolver:
+    def __init__(self, *addresses):
+        self.addresses = addresses
+
+    async def resolve(self, host, port=0, family=0):
+        return [{"hostname": host, "host": a, "port": port, "family": socket.AF_INET, "proto": 0, "flags": 0}
+                for a in self.addresses]
+
+    async def close(self):
+        pass
+
+
+def test_the_resolver_hands_aiohttp_only_the_public_addresses_it_checked():
+    from openai_front import fetch
+
+    mixed = fetch.PublicOnlyResolver(resolver=ListResolver("10.0.0.1", "93.184.216.34", "169.254.169.254"))
+    assert [a["host"] for a in asyncio.run(mixed.resolve("images.example.com", 80))] == ["93.184.216.34"]
+    with pytest.raises(fetch.NonPublicAddress):
+        asyncio.run(fetch.PublicOnlyResolver(resolver=ListResolver("127.0.0.1")).resolve("rebound.example.com", 80))
+    opened = fetch.PublicOnlyResolver(allow_private=True, resolver=ListResolver("127.0.0.1"))
+    assert len(asyncio.run(opened.resolve("localhost", 80))) == 1
+
+
+@pytest.mark.parametrize("allow_private", [False, True])
+def test_an_allowlisted_name_that_resolves_to_loopback_is_refused_unless_the_test_setting_allows_it(allow_private):
+    """A real fetch through the front's session from a server on 127.0.0.1, by the name localhost."""
+    from openai_front import fetch
+
+    async def main():
+        image_host = web.Application()
+        async def cat(request):
+            return web.Response(body=PNG)
+
+        image_host.router.add_get("/cat.png", cat)
+        async with TestServer(image_host, host="127.0.0.1") as server:
+            async with fetch.session(5.0, allow_private) as session:
+                return await fetch.fetch_image(session, f"http://localhost:{server.port}/cat.png", 10_000)
+
+    if allow_private:
+        assert asyncio.run(main()) == PNG
+    else:
+        with pytest.raises(FrontError) as error:
+            asyncio.run(main())
+        assert error.value.status == 400 and error.value.code == "image_url_not_allowed"
+        assert "non-public" in error.value.message
+
+
+def test_allowlist_entries_with_ports_and_the_private_address_switch():
+    given = settings.from_environ({"OPENAI_FRONT_IMAGE_URL_ALLOWLIST": "a.example.com, B.example.com:8080,[::1]:81"})
+    assert given.image_url_allowlist == {"a.example.com", "b.example.com:8080", "[::1]:81"}
+    assert not given.image_url_allow_private and given.max_bodies_in_flight == 16
+    opened = settings.from_environ({"OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE": "1", "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT": "3"})
+    assert opened.image_url_allow_private and opened.max_bodies_in_flight == 3
+    for environ in ({"OPENAI_FRONT_IMAGE_URL_ALLOWLIST": "a.example.com:http"},
+                    {"OPENAI_FRONT_IMAGE_URL_ALLOWLIST": "a.example.com:0"},
+                    {"OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE": "maybe"},
+                    {"OPENAI_FRONT_MAX_BODIES_IN_FLIGHT": "0"}):
+        with pytest.raises(settings.ConfigError):
+            settings.from_environ(environ)
+
+
+def test_the_front_runs_with_handler_cancellation(monkeypatch):
+    from openai_front import __main__ as main_module
+
+    seen = {}
+    monkeypatch.setattr(main_module.web, "run_app", lambda app, **kwargs: seen.update(kwargs))
+    assert main_module.main(["--port", "1"]) == 0
+    assert seen["handler_cancellation"] is True
+
+
+class StalledPool:
+    """Answers nothing: every call waits until it is cancelled, which it records."""
+
+    def __init__(self):
+        self.started, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def _wait(self):
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def infer(self, *args, **kwargs):
+        await self._wait()
+
+    async def stream(self, *args, **kwargs):
+        await self._wait()
+        yield None
+
+    async def close(self):
+        pass
+
+
+def front_with(pool=None, **changes):
+    app = front_app.create_app(settings.Settings(**changes))
+
+    async def swap_pool(app):
+        if pool is not None:
+            await app[front_app.POOL].close()
+            app[front_app.POOL] = pool
+
+    app.on_startup.append(swap_pool)
+    return app
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_while_the_front_waits_cancels_the_call_and_is_counted(stream):
+    pool = StalledPool()
+    app = front_with(pool)
+
+    async def main():
+        async with TestServer(app, host="127.0.0.1", handler_cancellation=True) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            payload = json.dumps(body(stream=stream)).encode()
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            await writer.drain()
+            await asyncio.wait_for(pool.started.wait(), 5)
+            writer.close()
+            await asyncio.wait_for(pool.cancelled.wait(), 5)
+            for _ in range(100):  # the handler's own bookkeeping runs as the cancellation unwinds
+                if app[front_app.METRICS].in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return app[front_app.METRICS].render()
+
+    text = asyncio.run(main())
+    assert 'openai_front_errors_total{status="499",code="client_closed_request"} 1' in text
+    assert f'openai_front_requests_total{{model="classify_and_describe",stream="{str(stream).lower()}",status="499"}} 1' in text
+    assert "openai_front_in_flight 0" in text
+
+
+async def _post(app, payload, **server_options):
+    async with TestClient(TestServer(app, host="127.0.0.1", **server_options)) as client:
+        response = await client.post("/v1/chat/completions", data=payload, timeout=aiohttp.ClientTimeout(total=20),
+                                     headers={"Content-Type": "application/json"})
+        return response.status, response.headers, await response.read()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("payload, param", [
+    (lambda stream: surrogate_body(stream=stream), "messages[0].content[0]"),
+    (lambda stream: json.dumps(body(stream=stream, max_tokens=2**63)), "max_tokens"),
+    (lambda stream: json.dumps(body(stream=stream, max_tokens=True)), "max_tokens"),
+])
+def test_through_the_front_they_are_a_400_in_openai_format_on_both_paths(stream, payload, param):
+    """The real app and the real TritonPool: the request is refused before any
+    call (nothing listens at its Triton address)."""
+    app = front_with(triton_grpc_url=f"127.0.0.1:{_free_port()}")
+    status, _, answer = asyncio.run(_post(app, payload(stream)))
+    assert status == 400, answer
+    assert json.loads(answer)["error"]["param"] == param
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bodies_past_the_limit_in_flight_are_503_with_retry_after():
+    app = front_with(StalledPool(), max_bodies_in_flight=2)
+
+    async def main():
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            app[front_app.BODIES].now = 2  # two bodies being read
+            refused = await client.post("/v1/chat/completions", data=json.dumps(body()))
+            app[front_app.BODIES].now = 1
+            models = await client.get("/v1/models")  # only chat bodies count
+            return refused.status, refused.headers.get("Retry-After"), await refused.json(), models.status
+
+    status, retry_after, answer, models = asyncio.run(main())
+    assert status == 503 and int(retry_after) >= 1 and "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT" in answer["error"]["message"]
+    assert models == 200
+
+
+def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch):
+    threads = []
+    parse = front_app._parse_body
+
+    def recording(raw, settings):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return parse(raw, settings)
+
+    monkeypatch.setattr(front_app, "_parse_body", recording)
+    big = json.dumps(body(url="data:image/png;base64," + base64.b64encode(PNG + b"\0" * 300_000).decode(), model="x"))
+    small = json.dumps(body(model="x"))
+    for payload in (big, small):
+        status, _, _ = asyncio.run(_post(front_with(StalledPool(), max_image_bytes=1024 * 1024), payload))
+        assert status == 404  # parsed: the model id is unknown
+    assert threads == [False, True]
+    assert len(big) > front_app.OFFLOAD_BYTES > len(small)
+
+
+def test_finish_reason_is_length_when_usage_shows_the_clients_max_tokens_were_used():
+    cut = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "attempts": 1}
+    assert responses.finish_reason("llm", cut, 5) == "length"
+    assert responses.finish_reason("llm", cut, 6) == "stop"
+    assert responses.finish_reason("llm", cut, None) == "stop", "the server's own limit is not known here"
+    assert responses.finish_reason("llm", {**cut, "cached": True}, 5) == "stop"
+    assert responses.finish_reason("llm", {**cut, "attempts": 2}, 5) == "stop", "retried attempts add up"
+    assert responses.finish_reason("fallback", cut, 5) == "stop"
+    answer = Answer(labels=["a"], scores=[0.5], description="a b c d e", source="llm", usage=cut)
+    assert responses.completion("c", "m", answer, max_tokens=5)["choices"][0]["finish_reason"] == "length"
+    last = events(responses.ChunkWriter("c", "m", False).last("llm", cut, 5))
+    assert json.loads(last[0])["choices"][0]["finish_reason"] == "length"
