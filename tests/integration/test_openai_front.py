@@ -168,13 +168,17 @@ def image_host(photos):
 
 
 @pytest.fixture(scope="module")
-def keyed_front(triton, tmp_path_factory):
-    """A front with a key (from a file), a 1 MiB image limit and localhost allowlisted."""
+def keyed_front(triton, image_host, tmp_path_factory):
+    """A front with a key (from a file), a 1 MiB image limit and the image host
+    (localhost:<its port>) allowlisted. That host is on loopback, which the front
+    refuses unless OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE=1 (for tests only; the
+    next front shows the refusal)."""
     workdir = tmp_path_factory.mktemp("keyed_front")
     (workdir / "key").write_text(FRONT_KEY + "\n")
     front = Front(workdir / "front.log", triton.grpc_url,
                   {"OPENAI_FRONT_API_KEY_FILE": str(workdir / "key"), "OPENAI_FRONT_MAX_IMAGE_BYTES": str(SMALL_LIMIT),
-                   "OPENAI_FRONT_IMAGE_URL_ALLOWLIST": "localhost"})
+                   "OPENAI_FRONT_IMAGE_URL_ALLOWLIST": f"localhost:{image_host.port}",
+                   "OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE": "1"})
     yield front
     front.stop()
 
@@ -574,10 +578,121 @@ def test_an_allowlisted_host_is_fetched_and_nothing_else(keyed_front, image_host
     assert_openai_error(status, answer, 413, "more than")
     status, _, answer = ask(f"http://localhost:{image_host.port}/missing.png")
     assert_openai_error(status, answer, 400, "404")
-    status, _, answer = ask(f"http://localhost:{free_port()}/chelsea.png")  # nothing listens
-    assert_openai_error(status, answer, 400, "failed")
+    status, _, answer = ask(f"http://localhost:{free_port()}/chelsea.png")  # a port the allowlist does not name
+    assert_openai_error(status, answer, 400, "refused")
+    status, _, answer = ask("http://localhost/chelsea.png")  # port 80 needs an entry without a port
+    assert_openai_error(status, answer, 400, "refused")
     status, _, answer = ask(f"ftp://localhost:{image_host.port}/chelsea.png")
     assert_openai_error(status, answer, 400, "data: URI")
+
+
+def test_without_the_test_setting_a_loopback_image_host_is_refused_by_name_and_by_address(triton, image_host, tmp_path):
+    """The same allowlisted name and port, without OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE:
+    localhost resolves to 127.0.0.1, which the front will not connect to."""
+    front = Front(tmp_path / "front.log", triton.grpc_url,
+                  {"OPENAI_FRONT_IMAGE_URL_ALLOWLIST": f"localhost:{image_host.port},127.0.0.1:{image_host.port}"})
+    try:
+        for host in ("localhost", "127.0.0.1"):
+            status, _, answer = post(front.base_url, {"model": MODEL, "messages": user_message(
+                f"http://{host}:{image_host.port}/chelsea.png")})
+            assert_openai_error(status, answer, 400, "non-public address")
+            assert answer["error"]["code"] == "image_url_not_allowed"
+    finally:
+        front.stop()
+
+
+# -- review findings: what parses but cannot be sent, clients that leave, stream errors
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("change, param", [
+    ({"messages": user_message("PHOTO", "\ud800")}, "messages[0].content[0]"),
+    ({"max_tokens": 2**63}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"temperature": 10**400}, "temperature"),
+], ids=["lone surrogate", "max_tokens 2**63", "max_tokens -1", "max_tokens true", "temperature 10**400"])
+def test_values_json_accepts_but_triton_cannot_take_are_400_on_both_paths(front, photos, stream, change, param):
+    body = json.dumps({"model": MODEL, "stream": stream, "messages": user_message("PHOTO"), **change})
+    body = body.replace('"PHOTO"', json.dumps(data_uri(photos["coffee"])))
+    status, _, answer = post(front, None, raw=body.encode())
+    assert_openai_error(status, answer, 400)
+    assert answer["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_before_the_answer_cancels_its_grpc_call(front, stream_model, photos, llm, stream):
+    """aiohttp cancels the handler when the client leaves (handler_cancellation),
+    which cancels the gRPC call at once (counted as 499 long before the LLM's
+    4 s answer; without it the front would wait and count a 200). The streaming
+    model then closes its LLM call. The plain ensemble cannot: Triton 2.51
+    cancels an ensemble's steps not yet scheduled, never the running describe
+    step (docs/streaming.md), so that LLM call runs to its end."""
+    import socket
+
+    llm.admin("mode", {"mode": "ok", "latency_ms": 4000})
+    before = llm.admin("stats")["disconnected"]
+    scrape = lambda: urllib.request.urlopen(front.removesuffix("/v1") + "/metrics", timeout=10).read().decode()  # noqa: E731
+    left_before = metric(scrape(), "openai_front_errors_total", code="client_closed_request")
+    payload = json.dumps({"model": MODEL, "stream": stream,
+                          "messages": user_message(data_uri(photos["coffee"]), unique_prompt())}).encode()
+    host, port = front.removeprefix("http://").removesuffix("/v1").split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            time.sleep(1.5)  # classified, the LLM call open and waiting
+        left = time.monotonic()
+        while metric(scrape(), "openai_front_errors_total", code="client_closed_request") == left_before:
+            assert time.monotonic() - left < 2, "the front did not notice the client leave"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 10
+        while stream and llm.admin("stats")["disconnected"] == before:
+            assert time.monotonic() < deadline, "the LLM call was still open 10 s after the client left"
+            time.sleep(0.2)
+    finally:
+        llm.admin("mode", {"mode": "ok", "latency_ms": 0})
+    assert metric(scrape(), "openai_front_errors_total", code="client_closed_request") == left_before + 1
+
+
+def test_an_unknown_model_is_503_on_both_paths_with_tritons_own_text(triton):
+    """Triton's "Request for unknown model" reaches a stream as text only."""
+    from openai_front.triton import TritonPool
+
+    async def main():
+        pool = TritonPool(triton.grpc_url, channels=1, timeout_s=10)
+        errors = []
+        try:
+            for call in (pool.infer("no_such_model", b"x"), _first(pool.stream("no_such_model", b"x"))):
+                try:
+                    await call
+                except Exception as error:  # noqa: BLE001 - the FrontError is what is checked
+                    errors.append(error)
+        finally:
+            await pool.close()
+        return errors
+
+    errors = asyncio.run(main())
+    assert [(e.status, "Retry-After" in e.headers()) for e in errors] == [(503, True), (503, True)], errors
+
+
+async def _first(agen):
+    async for item in agen:
+        return item
+
+
+def test_finish_reason_is_length_when_the_llm_used_the_clients_max_tokens(sdk, photos, llm):
+    """The fake upstream reports one completion token per word of its answer (more than 3)."""
+    llm.admin("mode", {"mode": "ok", "answer_words": 12})
+    messages = user_message(data_uri(photos["coffee"]), unique_prompt())
+    plain = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert plain.usage.completion_tokens >= 3 and plain.choices[0].finish_reason == "length"
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=user_message(data_uri(photos["coffee"]),
+                                                                                  unique_prompt()),
+                                              max_tokens=3, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    roomy = sdk.chat.completions.create(model=MODEL, messages=user_message(data_uri(photos["coffee"]),
+                                                                            unique_prompt()), max_tokens=500)
+    assert roomy.choices[0].finish_reason == "stop"
 
 
 # -- metrics --------------------------------------------------------------------
