@@ -659,3 +659,18 @@ def test_finish_reason_is_length_when_usage_shows_the_clients_max_tokens_were_us
     assert responses.completion("c", "m", answer, max_tokens=5)["choices"][0]["finish_reason"] == "length"
     last = events(responses.ChunkWriter("c", "m", False).last("llm", cut, 5))
     assert json.loads(last[0])["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_pool_reaches_the_stub_calls_it_uses():
+    """TritonPool calls tritonclient's stub directly (tritonclient's own
+    stream_infer builds the request where an error cancels the call): a
+    tritonclient upgrade that renames it fails here, not in production."""
+    async def main():
+        pool = triton.TritonPool(f"127.0.0.1:{_free_port()}", channels=1)
+        try:
+            stub = pool._stub()
+            return callable(stub.ModelInfer) and callable(stub.ModelStreamInfer)
+        finally:
+            await pool.close()
+
+    assert asyncio.run(main())
