@@ -97,6 +97,7 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     streaming, front = data["sections"]["streaming"], data["sections"]["openai_front"]
     assert "error" not in streaming and "error" not in front, (streaming.get("error"), front.get("error"))
     assert streaming["concurrent"]["failed"] == 0 and streaming["time_to_labels"]["labels_p50_ms"] > 0
+    assert streaming["perf_analyzer"][0]["throughput"] > 0
     assert front["latency"]["front"]["count"] > 0 and sum(w["errors"] for w in front["windows"]) == 0
     assert "## Streaming" in text and "## The OpenAI-compatible front" in text
     assert "OpenAI front: added p50" in text and "streaming: time to labels" in text

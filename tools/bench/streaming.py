@@ -203,7 +203,7 @@ LLM_LATENCY_MS, CHUNK_MS, ANSWER_WORDS = 200, 25, 40
 
 # Sizes per mode: "smoke" is `make bench`'s smoke run inside `make test` (seconds).
 SIZES = {
-    "smoke": dict(requests=5, streams=20, concurrency=[], window_ms=2000),
+    "smoke": dict(requests=5, streams=20, concurrency=[1], window_ms=3000),  # a stream lasts about 1.2 s
     "quick": dict(requests=30, streams=100, concurrency=[1, 8], window_ms=3000),
     "full": dict(requests=100, streams=500, concurrency=[1, 8, 32], window_ms=5000),
 }
@@ -214,6 +214,8 @@ def measure_on(server, llm, jpegs, workdir, mode):
     inputs repeat, and a replayed answer is not a stream); leaves the fake upstream as it found it
     only in that the caller resets it."""
     size = SIZES[mode]
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     results = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
                "cpus": os.cpu_count(), "mode": mode,
                "upstream": {"latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": ANSWER_WORDS}}
