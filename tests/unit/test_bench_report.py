@@ -158,13 +158,19 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch):
     def broken(ctx):
         raise RuntimeError("no such model")
 
-    good = types.SimpleNamespace(NAME="good", measure=lambda ctx: {"value": 1})
+    events = []
+
+    def good_measure(ctx):
+        events.append("good")
+        return {"value": 1}
+
+    good = types.SimpleNamespace(NAME="good", measure=good_measure)
     bad = types.SimpleNamespace(NAME="bad", measure=broken)
     monkeypatch.setattr(sections, "modules", lambda: [bad, good])
-    latencies = []
-    ctx = types.SimpleNamespace(llm=types.SimpleNamespace(set_latency=latencies.append))
+    ctx = types.SimpleNamespace(llm=types.SimpleNamespace(reset=lambda: events.append("reset")))
     assert run.measure_sections(ctx) == {"bad": {"error": "RuntimeError: no such model"}, "good": {"value": 1}}
-    assert latencies == [0, 0]  # the fake LLM is left at 0 ms after each
+    # The fake LLM is reset before each section (a failed one included) and after the last.
+    assert events == ["reset", "reset", "good", "reset"]
 
 
 def test_a_worker_that_dies_fails_the_measurement_quickly(tmp_path):

@@ -26,6 +26,10 @@ class FakeLLM(_FakeLLM):
     def __init__(self, workdir, latency_ms=0.0):
         super().__init__(pathlib.Path(workdir) / "fake_llm.log", latency_ms)
 
+    def reset(self):
+        """Back to how it started: answers at once and whole, no fault, stats cleared."""
+        self.admin("reset", {}, timeout=30)
+
     def set_latency(self, latency_ms):
         self.admin("mode", {"mode": "ok", "latency_ms": latency_ms}, timeout=30)
 

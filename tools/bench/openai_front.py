@@ -238,7 +238,6 @@ SIZES = {
 def measure(ctx):
     """The front's figures on the run's own server (it starts a front beside Triton) and fake LLM."""
     load_before = load_average()
-    ctx.llm.set_latency(0)
     results = asyncio.run(bench(ctx.triton, ctx.llm, argparse.Namespace(**SIZES[ctx.mode])))
     results.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    load_average_before=load_before, load_average_after=load_average())

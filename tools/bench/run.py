@@ -440,12 +440,15 @@ def _display_path(path):
 def measure_sections(ctx):
     out = {}
     for module in sections.modules():
+        # Each section starts from the fake upstream as it started (0 ms, whole answers), whatever
+        # latency, chunking or fault the figures before it left set.
+        ctx.llm.reset()
         try:
             out[module.NAME] = module.measure(ctx)
         except Exception as exc:  # noqa: BLE001 - one section's failure is reported, not the run's
             log(f"section {module.NAME} failed: {exc}")
             out[module.NAME] = {"error": f"{type(exc).__name__}: {exc}"}
-        ctx.llm.set_latency(0)
+    ctx.llm.reset()
     return out
 
 

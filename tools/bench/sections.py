@@ -14,7 +14,7 @@ A section is a module that defines:
                                   #   ctx.llm: harness.FakeLLM (base_url, set_latency(ms), admin(), stats())
                                   #   ctx.pa(model, concurrency): one perf_analyzer run -> dict
                                   #   ctx.images, ctx.prompts, ctx.workdir
-                                  # Leave the fake LLM at 0 ms when done. A module whose figures
+                                  # run.py resets the fake LLM before each section. A module whose figures
                                   # come from its own make target may instead return that run's
                                   # committed results file here, with its name (as run.py does
                                   # with the baseline), so the report still reads one file.
