@@ -10,6 +10,8 @@ from aiohttp import web
 from . import settings as front_settings
 from .app import create_app
 
+LINGERING_S = 1.0
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m openai_front", description=__doc__)
@@ -33,8 +35,14 @@ def main(argv=None):
           f"{auth}; image URLs from: {urls}", file=sys.stderr, flush=True)
     # handler_cancellation: a client that leaves cancels its handler, and with it
     # the gRPC call (Triton then cancels the request, and the LLM call with it).
+    # auto_decompress=False: a compressed body stays compressed (it is refused, 415),
+    # never inflated into memory. shutdown_timeout: how long whole answers may finish
+    # after TERM; open streams end at once (app._end_streams). lingering_time: after an
+    # answer to a body it did not read (413, 415, 408) the connection is closed within
+    # 1 s (aiohttp's default reads and discards the rest for 10 s).
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
-                shutdown_timeout=30, handler_cancellation=True)
+                shutdown_timeout=settings.drain_s, handler_cancellation=True, auto_decompress=False,
+                lingering_time=LINGERING_S)
     return 0
 
 

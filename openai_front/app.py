@@ -17,19 +17,28 @@ from .triton import TritonPool
 
 log = logging.getLogger("openai_front")
 OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # no key needed: probes and Prometheus
-SETTINGS, POOL, METRICS, FETCHER, BODIES = (web.AppKey(name, object)
-                                            for name in ("settings", "pool", "metrics", "fetcher", "bodies"))
+SETTINGS, POOL, METRICS, FETCHER, BODIES, FETCHES, STREAMS = (
+    web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher", "bodies", "fetches", "streams"))
 # Bodies larger than this are parsed and decoded in a worker thread: a 20 MB
 # image takes tens of ms, during which the loop would stall every open stream.
 OFFLOAD_BYTES = 256 * 1024
+# Answers after which the connection is closed: the rest of the body is never read.
+CLOSE_AFTER = frozenset({408, 413, 415})
+# The cancel message of a stream ended by the front's shutdown (not by its client).
+SHUTTING_DOWN = "the OpenAI front is shutting down"
+
+
+def max_body_bytes(settings):
+    """The largest body: a data: URI of the largest image (base64: 4/3) plus the rest of the JSON."""
+    return settings.max_image_bytes * 4 // 3 + 1024 * 1024
 
 
 def create_app(settings):
-    # The largest body: a data: URI of the largest image (base64: 4/3) plus the rest of the JSON.
-    app = web.Application(client_max_size=settings.max_image_bytes * 4 // 3 + 1024 * 1024,
-                          middlewares=[_errors_and_auth])
+    app = web.Application(client_max_size=max_body_bytes(settings), middlewares=[_errors_and_auth])
     app[SETTINGS] = settings
-    app[BODIES] = BodiesInFlight(settings.max_bodies_in_flight)
+    app[BODIES] = InFlight(settings.max_bodies_in_flight, "request bodies", "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT")
+    app[FETCHES] = InFlight(settings.max_fetches_in_flight, "image URLs", "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT")
+    app[STREAMS] = set()
     app[METRICS] = Metrics(m.id for m in settings.models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
@@ -38,6 +47,7 @@ def create_app(settings):
     app.router.add_get("/health", health)
     app.router.add_get("/health/ready", ready)
     app.on_startup.append(_start)
+    app.on_shutdown.append(_end_streams)
     app.on_cleanup.append(_stop)
     return app
 
@@ -50,6 +60,15 @@ async def _start(app):
         app[FETCHER] = fetch.session(settings.remote_fetch_timeout_s, settings.image_url_allow_private)
 
 
+async def _end_streams(app):
+    """Shutdown, after the port closed: every open stream ends now with an error
+    event, which cancels its Triton stream and so its LLM call. Whole answers get
+    the runner's shutdown_timeout (OPENAI_FRONT_DRAIN_S) to finish. Triton can only
+    unload a streaming model once its streams are gone (docs/reliability.md)."""
+    for task in list(app[STREAMS]):
+        task.cancel(SHUTTING_DOWN)
+
+
 async def _stop(app):
     await app[POOL].close()
     if app[FETCHER] is not None:
@@ -57,8 +76,24 @@ async def _stop(app):
 
 
 def error_response(error):
-    return web.Response(status=error.status, body=error.json_bytes(), content_type="application/json",
-                        headers=error.headers())
+    response = web.Response(status=error.status, body=error.json_bytes(), content_type="application/json",
+                            headers=error.headers())
+    if error.status in CLOSE_AFTER:
+        response.force_close()
+    return response
+
+
+def _refuse_body_early(request):
+    """What can be refused from the headers alone, before a byte of the body is
+    read: a compressed body (a 1 MB gzip inflates to 1 GB) and a declared length
+    over the limit (read whole, it would stall the loop for seconds)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding != "identity":
+        raise FrontError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
+                         code="unsupported_content_encoding")
+    limit = max_body_bytes(request.app[SETTINGS])
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(f"the request body ({request.content_length} bytes) is larger than the {limit} bytes allowed")
 
 
 def _authorized(request, key):
@@ -79,6 +114,8 @@ async def _errors_and_auth(request, handler):
         request.app[METRICS].error(error.status, error.code)
         return error_response(error)
     try:
+        if request.can_read_body:
+            _refuse_body_early(request)
         return await handler(request)
     except FrontError as error:
         request.app[METRICS].error(error.status, error.code)
@@ -98,19 +135,19 @@ async def _errors_and_auth(request, handler):
     return error_response(error)
 
 
-class BodiesInFlight:
-    """How many request bodies are being read, parsed and decoded at once: each
-    holds up to the body, its JSON string and the image bytes in memory. Past
-    the limit a request is refused at once (503, Retry-After), not queued."""
+class InFlight:
+    """How many of one costly thing run at once: request bodies being read,
+    parsed and decoded (each holds up to the body, its JSON string and the image
+    in memory), or image URLs being fetched. Past the limit a request is refused
+    at once (503, Retry-After), not queued."""
 
-    def __init__(self, limit):
-        self.limit, self.now = limit, 0
+    def __init__(self, limit, what, setting):
+        self.limit, self.now, self.what, self.setting = limit, 0, what, setting
 
     @contextlib.contextmanager
     def slot(self):
         if self.now >= self.limit:
-            raise unavailable(f"the front is reading {self.now} request bodies already "
-                              "(OPENAI_FRONT_MAX_BODIES_IN_FLIGHT); retry later")
+            raise unavailable(f"the front is reading {self.now} {self.what} already ({self.setting}); retry later")
         self.now += 1
         try:
             yield
@@ -131,7 +168,12 @@ async def read_request(request):
     in a worker thread when the body is large."""
     settings = request.app[SETTINGS]
     with request.app[BODIES].slot():
-        raw = await request.read()
+        try:
+            async with asyncio.timeout(settings.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise FrontError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
+                                  "(OPENAI_FRONT_BODY_TIMEOUT_S)", code="request_timeout") from None
         if len(raw) > OFFLOAD_BYTES:
             return await asyncio.to_thread(_parse_body, raw, settings)
         return _parse_body(raw, settings)
@@ -154,10 +196,16 @@ async def chat_completions(request):
         parsed = await read_request(request)
         model_id, stream = parsed.model, parsed.stream
         model = _model(settings, parsed.model)
-        image = (parsed.image if parsed.image is not None
-                 else await fetch.fetch_image(app[FETCHER], parsed.image_url, settings.max_image_bytes))
+        image = parsed.image
+        if image is None:
+            with app[FETCHES].slot():
+                image = await fetch.fetch_image(app[FETCHER], parsed.image_url, settings.max_image_bytes)
         if parsed.stream:
-            response, usage, status = await _stream(request, model, parsed, image)
+            app[STREAMS].add(asyncio.current_task())
+            try:
+                response, usage, status = await _stream(request, model, parsed, image)
+            finally:
+                app[STREAMS].discard(asyncio.current_task())
             return response
         answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, parsed.parameters)
         usage, status = answer.usage, 200
@@ -190,6 +238,10 @@ async def _stream(request, model, parsed, image):
         except StopAsyncIteration:
             raise FrontError(502, "the pipeline ended the stream without an answer", type="server_error",
                              code="server_error") from None
+        except asyncio.CancelledError as cancel:
+            if cancel.args != (SHUTTING_DOWN,):
+                raise
+            raise unavailable(SHUTTING_DOWN) from None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
@@ -201,7 +253,9 @@ async def _stream(request, model, parsed, image):
                 async for _same_answer, text in events:  # one Answer, filled in as responses come
                     if text:
                         await response.write(chunks.text(text))
-            except FrontError as error:
+            except (FrontError, asyncio.CancelledError, Exception) as failure:  # noqa: BLE001
+                # Headers are out: the failure goes as an error event, never as a second status line.
+                error = _stream_error(failure)
                 request.app[METRICS].error(error.status, error.code)
                 log.warning("openai_front: stream failed after it started: %s", error.message)
                 await response.write(responses.sse(error.body()))
@@ -218,6 +272,21 @@ async def _stream(request, model, parsed, image):
             request.app[METRICS].error(499, "client_closed_request")
             return response, None, 499
         return response, answer.usage, 200
+
+
+def _stream_error(failure):
+    """The error event for a stream that failed after its headers went out; a
+    client's own cancel (not the front's shutdown) is passed on as it is."""
+    if isinstance(failure, FrontError):
+        return failure
+    if isinstance(failure, ConnectionResetError):  # the client left: nobody to tell
+        raise failure
+    if isinstance(failure, asyncio.CancelledError):
+        if failure.args != (SHUTTING_DOWN,):
+            raise failure
+        return unavailable(SHUTTING_DOWN)
+    log.error("openai_front: unexpected %s in a stream: %s", type(failure).__name__, failure)
+    return FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
 
 
 async def list_models(request):

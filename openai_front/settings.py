@@ -15,6 +15,13 @@ __main__). Every name is documented in the README's OpenAI section.
                                        then reaches internal services); for tests
   OPENAI_FRONT_MAX_BODIES_IN_FLIGHT=16  request bodies read and decoded at
                                        once; more are refused (503, Retry-After)
+  OPENAI_FRONT_BODY_TIMEOUT_S=10      a request body must arrive within this
+                                       (408 and the connection closed after it), so
+                                       slow or stalled senders cannot hold the body slots
+  OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT=8  allowlisted image URLs fetched at once;
+                                       more are refused (503, Retry-After)
+  OPENAI_FRONT_DRAIN_S=5               at shutdown (TERM): open streams end at once
+                                       with an error event; whole answers get this long
   OPENAI_FRONT_MAX_IMAGE_BYTES=20971520  the preprocess step's own limit
   OPENAI_FRONT_GRPC_CHANNELS=2         gRPC channels to Triton, used in turn
   OPENAI_FRONT_TIMEOUT_S=60            one request's deadline at Triton
@@ -49,6 +56,9 @@ class Settings:
     image_url_allow_private: bool = False        # dangerous: for tests on loopback only
     max_bodies_in_flight: int = 16
     max_image_bytes: int = 20 * 1024 * 1024
+    body_timeout_s: float = 10.0
+    max_fetches_in_flight: int = 8
+    drain_s: float = 5.0
     grpc_channels: int = 2
     timeout_s: float = 60.0
     remote_fetch_timeout_s: float = 10.0
@@ -144,6 +154,9 @@ def from_environ(environ=None, **overrides):
         image_url_allow_private=_bool(environ, "OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE", False),
         max_bodies_in_flight=_int(environ, "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT", 16, 1),
         max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
+        body_timeout_s=_float(environ, "OPENAI_FRONT_BODY_TIMEOUT_S", 10.0),
+        max_fetches_in_flight=_int(environ, "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT", 8, 1),
+        drain_s=_float(environ, "OPENAI_FRONT_DRAIN_S", 5.0),
         grpc_channels=_int(environ, "OPENAI_FRONT_GRPC_CHANNELS", 2, 1),
         timeout_s=_float(environ, "OPENAI_FRONT_TIMEOUT_S", 60.0),
     )

@@ -42,8 +42,14 @@
 #   OPENAI_PORT=8003            its port, on the HTTP endpoint's address; it talks to
 #                               this server's gRPC port. OPENAI_FRONT_API_KEY(_FILE)
 #                               and the rest: openai_front/settings.py
-# Exit status: the server's own when it exits; 0 after INT/TERM; the front's
-# (1 if that was 0) when the front exits first.
+# Stop (INT/TERM), in order and bounded: the front stops accepting, ends its open
+# streams at once and lets whole answers finish (OPENAI_FRONT_DRAIN_S, default 5;
+# killed FRONT_STOP_GRACE_S=3 after that); only then does tritonserver get TERM,
+# so no stream holds a streaming model loaded while it unloads (its own
+# --exit-timeout-secs bounds what is left).
+# Exit status: the server's own when it exits, also after INT/TERM (non-zero when
+# Triton reports that it could not stop cleanly, e.g. "Exit timeout expired");
+# the front's (1 if that was 0) when the front exits first.
 # Needs a python3 on PATH (standard library only, but for the front).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -70,25 +76,42 @@ case "$http_address" in
   *) http_host="$http_address" ;;
 esac
 
-server_pid="" watchdog_pid="" front_pid=""
+server_pid="" watchdog_pid="" front_pid="" server_status=0
+# Wait for child $1 at most $2 seconds, then KILL it.
+wait_bounded() {
+  local pid="$1" deadline=$(( SECONDS + $2 ))
+  while kill -0 "$pid" 2>/dev/null && (( SECONDS < deadline )); do sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "serve: pid $pid did not stop within $2 s; killing it" >&2
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  wait "$pid" 2>/dev/null || true
+}
 shut_down() {
   trap - INT TERM
   # The watchdog reloads nothing from now on, and once the server is gone it
   # stops any stub process left running (see serving/stub_watchdog.py).
   [[ -z "$watchdog_pid" ]] || kill -USR1 "$watchdog_pid" 2>/dev/null || true
-  # The front first: it only forwards to the server, which drains what it was sent.
-  [[ -z "$front_pid" ]] || kill -TERM "$front_pid" 2>/dev/null || true
+  # The front first, and waited for: its open streams hold Triton's streaming
+  # model, which Triton cannot unload while a stream lives.
+  if [[ -n "$front_pid" ]]; then
+    kill -TERM "$front_pid" 2>/dev/null || true
+    drain_s="${OPENAI_FRONT_DRAIN_S:-5}"
+    wait_bounded "$front_pid" $(( ${drain_s%.*} + ${FRONT_STOP_GRACE_S:-3} ))
+    front_pid=""
+  fi
   if [[ -n "$server_pid" ]]; then
     echo "serve: stopping tritonserver (pid $server_pid)" >&2
     kill -TERM "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
+    server_status=0
+    wait "$server_pid" 2>/dev/null || server_status=$?
+    (( server_status == 0 )) || echo "serve: tritonserver stopped with status $server_status (not a clean stop; its log says why)" >&2
   fi
   [[ -z "$watchdog_pid" ]] || wait "$watchdog_pid" 2>/dev/null || true
-  [[ -z "$front_pid" ]] || wait "$front_pid" 2>/dev/null || true
 }
 stop() {
   shut_down
-  exit 0
+  exit "$server_status"
 }
 # Set before anything starts: a TERM that comes early still stops what did start.
 trap stop INT TERM

@@ -1,0 +1,210 @@
+"""The front's HTTP surface under hostile clients, over real sockets against the
+real app (run as __main__ runs it: handler cancellation, no body decompression):
+bodies refused from their headers before a byte is read, a read deadline per
+body, the connection closed after such a refusal, image-URL fetches bounded, a
+failure after a stream started sent as an error event, and the open streams
+ended at shutdown. Each case has a valid request beside it that must be served.
+The same against a real server and Triton: tests/integration/test_shutdown.py."""
+
+import asyncio
+import gzip
+import json
+import time
+
+import pytest
+from aiohttp.test_utils import TestServer
+from test_openai_front import StalledPool, body, front_with
+
+from openai_front import __main__ as front_main
+from openai_front import app as front_app
+from openai_front.triton import Answer
+
+# As openai_front/__main__.py runs the app (TestServer always adds handler_cancellation).
+SERVER_OPTIONS = {"auto_decompress": False, "lingering_time": front_main.LINGERING_S}
+
+
+async def serving(app):
+    """A TestServer started with SERVER_OPTIONS (its constructor drops them: start_server takes them)."""
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server(**SERVER_OPTIONS)
+    return server
+
+
+async def raw_exchange(port, head, payload=b"", read_timeout=5.0):
+    """Send `head` (and `payload`), return (status, everything the server sent
+    until it closed the connection, seconds until the status line came)."""
+    started = time.monotonic()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + payload)
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), read_timeout)
+    answered_s = time.monotonic() - started
+    rest = await asyncio.wait_for(reader.read(), read_timeout)  # b"" once the server closes
+    writer.close()
+    return int(status_line.split()[1]), status_line + rest, answered_s
+
+
+def post_head(length, **headers):
+    """The request head; the cases that test the server's closing leave keep-alive on,
+    the others ask for Connection: close so that raw_exchange reads to the end."""
+    lines = [b"POST /v1/chat/completions HTTP/1.1", b"Host: x", b"Content-Type: application/json",
+             b"Content-Length: %d" % length, *(f"{k.replace('_', '-')}: {v}".encode() for k, v in headers.items())]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def valid_request_is_served(port, pool):
+    """A valid request beside the hostile one reaches the pipeline (the stalled pool)."""
+    async def send():
+        payload = json.dumps(body()).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post_head(len(payload)) + payload)
+        await writer.drain()
+        await asyncio.wait_for(pool.started.wait(), 5)
+        writer.close()
+    return send()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP"])
+def test_a_compressed_body_is_415_before_it_is_read_and_the_connection_closes(monkeypatch, encoding):
+    parsed, parse = [], front_app._parse_body
+    monkeypatch.setattr(front_app, "_parse_body", lambda raw, s: parsed.append(raw) or parse(raw, s))
+    bomb = gzip.compress(b"\0" * (64 * 1024 * 1024))  # 64 MB of zeros in about 64 KB
+    pool = StalledPool()
+    app = front_with(pool)
+
+    async def main():
+        async with await serving(app) as server:
+            answer = await raw_exchange(server.port, post_head(len(bomb), content_encoding=encoding), bomb)
+            await valid_request_is_served(server.port, pool)
+            return answer
+
+    status, sent, _ = asyncio.run(main())
+    assert status == 415 and b"unsupported_content_encoding" in sent and b"uncompressed" in sent
+    assert b"Connection: close" in sent  # and read() above returned: the server closed it
+    assert len(parsed) == 1, "only the valid request's body was parsed"
+
+
+def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_body():
+    pool = StalledPool()
+    app = front_with(pool, max_image_bytes=1024 * 1024)
+    limit = front_app.max_body_bytes(app[front_app.SETTINGS])
+
+    async def main():
+        async with await serving(app) as server:
+            # 1 GB declared, not a byte sent: the answer cannot wait for the body.
+            answer = await raw_exchange(server.port, post_head(1024**3))
+            at_limit = await raw_exchange(server.port, post_head(limit + 1), b"{")
+            await valid_request_is_served(server.port, pool)
+            return answer, at_limit
+
+    (status, sent, answered_s), (status_at_limit, _, _) = asyncio.run(main())
+    assert status == 413 == status_at_limit and b"image_too_large" in sent
+    assert answered_s < 2 and b"Connection: close" in sent
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot():
+    """A slow-loris sender (headers and one byte) held a body slot for as long as it
+    liked; now for OPENAI_FRONT_BODY_TIMEOUT_S, then the connection is closed."""
+    pool = StalledPool()
+    app = front_with(pool, max_bodies_in_flight=1, body_timeout_s=0.5)
+
+    async def main():
+        async with await serving(app) as server:
+            slow = asyncio.create_task(raw_exchange(server.port, post_head(1000), b"{"))
+            await asyncio.sleep(0.2)
+            held = app[front_app.BODIES].now
+            status, sent, answered_s = await slow
+            freed = app[front_app.BODIES].now
+            await valid_request_is_served(server.port, pool)  # the one slot serves again
+            return held, status, sent, answered_s, freed
+
+    held, status, sent, answered_s, freed = asyncio.run(main())
+    assert held == 1 and freed == 0
+    assert status == 408 and b"OPENAI_FRONT_BODY_TIMEOUT_S" in sent and b"Connection: close" in sent
+    assert 0.4 < answered_s < 3
+
+
+def test_image_url_fetches_past_the_limit_are_503_before_any_fetch(monkeypatch):
+    fetched = []
+
+    async def fetch_image(session, url, limit):
+        fetched.append(url)
+        return b""
+
+    monkeypatch.setattr(front_app.fetch, "fetch_image", fetch_image)
+    app = front_with(StalledPool(), image_url_allowlist=frozenset({"images.example"}), max_fetches_in_flight=2)
+    payload = json.dumps(body(url="https://images.example/cat.png")).encode()
+
+    async def main():
+        async with await serving(app) as server:
+            app[front_app.FETCHES].now = 2  # two fetches under way
+            return await raw_exchange(server.port, post_head(len(payload), connection="close") + payload)
+
+    status, sent, _ = asyncio.run(main())
+    assert status == 503 and b"OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT" in sent and b"Retry-After" in sent
+    assert fetched == []
+
+
+class FailingStreamPool(StalledPool):
+    """A stream whose first response comes, then the pool fails (a bug, not a FrontError)."""
+
+    async def stream(self, *args, **kwargs):
+        yield Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}), "A cup"
+        raise RuntimeError("something the front did not expect")
+
+
+def test_a_failure_after_the_stream_started_is_an_error_event_not_a_second_status_line():
+    app = front_with(FailingStreamPool())
+    payload = json.dumps(body(stream=True)).encode()
+
+    async def main():
+        async with await serving(app) as server:
+            return await raw_exchange(server.port, post_head(len(payload), connection="close") + payload)
+
+    status, sent, _ = asyncio.run(main())
+    assert status == 200
+    assert sent.count(b"HTTP/1.1") == 1, sent
+    last_event = [line for line in sent.split(b"\n") if line.startswith(b"data: ")][-1]
+    error = json.loads(last_event[6:])["error"]
+    assert error["code"] == "server_error" and "something" not in error["message"]  # no internals
+    assert b"[DONE]" not in sent
+
+
+def test_shutdown_ends_open_streams_at_once_with_an_error_event():
+    """TERM: aiohttp stops listening, then app.shutdown(): every open stream ends
+    now (in its own format), so the runner's drain time is left to whole answers."""
+    class OpenStreamPool(StalledPool):
+        async def stream(self, *args, **kwargs):
+            yield Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}), "A cup"
+            await self._wait()
+
+    pool = OpenStreamPool()
+    app = front_with(pool)
+    payload = json.dumps(body(stream=True)).encode()
+
+    async def main():
+        server = await serving(app)
+        exchange = asyncio.create_task(raw_exchange(server.port, post_head(len(payload), connection="close") + payload,
+                                                    read_timeout=10))
+        await asyncio.wait_for(pool.started.wait(), 5)
+        started = time.monotonic()
+        await app.shutdown()
+        status, sent, _ = await exchange
+        took = time.monotonic() - started
+        await server.close()
+        return status, sent, took
+
+    status, sent, took = asyncio.run(main())
+    assert status == 200 and took < 2
+    last_event = [line for line in sent.split(b"\n") if line.startswith(b"data: ")][-1]
+    error = json.loads(last_event[6:])["error"]
+    assert error["code"] == "service_unavailable" and "shutting down" in error["message"]
+    assert pool.cancelled.is_set(), "the Triton stream (and so the LLM call) was cancelled"
+
+
+def test_the_front_runs_with_the_options_these_tests_use(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(front_main.web, "run_app", lambda app, **kwargs: seen.update(kwargs))
+    assert front_main.main(["--port", "1"]) == 0
+    assert {key: seen[key] for key in SERVER_OPTIONS} == SERVER_OPTIONS
+    assert seen["handler_cancellation"] is True and seen["shutdown_timeout"] == 5.0  # OPENAI_FRONT_DRAIN_S
