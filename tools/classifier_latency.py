@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from scripts import export_onnx
-from tools import docs_section
+from tools import docs_section, host
 from tools.backend_code import load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def main(argv=None):
                    + (f" --batch-sizes {args.batch_sizes}" if args.batch_sizes != "1,2,4,8" else "")
                    + (f" --threads {args.threads}" if args.threads != 1 else ""),
         "threads": args.threads, "rounds": args.rounds, "cpus": os.cpu_count(),
-        "load_average_at_end": os.getloadavg(),
+        "host": host.describe(), "load_average_at_end": os.getloadavg(),
         "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
         "forward_ms_per_image": forward, "decode_ms_per_image": decode,
         "pixels_bytes_per_image": {"uint8": 3 * 224 * 224, "float32": 4 * 3 * 224 * 224},
@@ -135,7 +135,8 @@ def main(argv=None):
     lines = [
         f"Measured {results['date']} with `{results['command']}`: {args.threads} thread, median of "
         f"{args.rounds} rounds in which the runtimes take turns (min-max in brackets), torch {torch.__version__}, "
-        f"onnxruntime {onnxruntime.__version__}, {os.cpu_count()} cores shared with other work (load average "
+        f"onnxruntime {onnxruntime.__version__}, {os.cpu_count()} cores shared with other work (CPU instruction sets: "
+        f"{host.isa_text(results['host'])}; load average "
         f"{results['load_average_at_end'][0]:.1f} at the end): compare within the table, not across runs. "
         f"JSON: [{args.results.name}](results/{args.results.name}).",
         "",

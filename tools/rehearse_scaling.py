@@ -44,6 +44,7 @@ import urllib.error
 import urllib.request
 
 from classify_describe.client import AsyncClient
+from tools import host
 from tools.local_stack import FakeLLM, NotReady, TritonServer, free_port, stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -410,7 +411,7 @@ def main():
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="rehearse-"))
     started = Started()
-    report = {"host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
+    report = {"host": {**host.describe(), "cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
               "settings": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
     ok = False
     try:

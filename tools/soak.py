@@ -58,6 +58,7 @@ import numpy as np
 
 from classify_describe import AsyncClient, TritonRequestError
 from serving.procfs import http_json, rss_mb, stub_pid, tritonserver_pid
+from tools import host
 from tools.local_stack import FakeLLM, TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -820,6 +821,7 @@ def main(argv=None):
     workdir.mkdir(parents=True, exist_ok=True)
     log(f"{args.duration_s:g}s at concurrency {args.concurrency}; logs in {workdir}")
     report = asyncio.run(soak(args, workdir))
+    report["host"] = host.describe()
     report["config"] = {k: str(v) for k, v in vars(args).items()}
     report["workdir"] = str(workdir)
     args.report.parent.mkdir(parents=True, exist_ok=True)

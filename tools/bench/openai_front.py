@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from serving.procfs import children
+from tools import host
 from tools.bench.clients import _drive, _inputs, _percentile
 from tools.bench.harness import FakeLLM, Triton, load_average
 from tools.bench.inputs import photo_jpegs, prompts
@@ -127,7 +128,8 @@ async def bench(triton, llm, args):
     questions = prompts(1_000_000)
     paths = Paths(triton.grpc_url, triton.openai_base_url, images, questions)
     front = front_pid(triton.process.pid)
-    results = {"target_added_p50_ms": TARGET_ADDED_P50_MS, "target_throughput_ratio": TARGET_THROUGHPUT_RATIO}
+    results = {"target_added_p50_ms": TARGET_ADDED_P50_MS, "target_throughput_ratio": TARGET_THROUGHPUT_RATIO,
+               "host": host.describe()}
     try:
         # Warm both paths (channels, connection pools, the models' first requests).
         for index in range(20):
@@ -213,7 +215,8 @@ fake LLM at 0 ms, side by side in one run: one request at a time in alternating 
 {table}
 
 The front spent {results["front_cpu_ms_per_request"]:.1f} ms of CPU per request (JSON, base64,
-HTTP and gRPC), on the same cores as Triton, the fake LLM and the load generator (load average
+HTTP and gRPC), on the same cores as Triton, the fake LLM and the load generator (CPU instruction
+sets: {host.isa_text(results.get("host"))}; load average
 {results["load_average_before"][0]:.1f} before, {results["load_average_after"][0]:.1f} after). Single
 windows moved between {min(everything):.0f} and {max(everything):.0f} req/s, so the throughput
 ratio is only as good as the alternation; the one-at-a-time p50s are steadier.

@@ -15,6 +15,7 @@ import math
 import pathlib
 import statistics
 
+from tools import host
 from tools.bench import sections as extra_sections
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -331,6 +332,7 @@ def write(results, out_path, plots_dir):
         "and how to read them: "
         f"[{METHOD_DOC}]({METHOD_DOC}).\n")
     add(f"- Machine: {meta['machine']}.")
+    add(f"- CPU instruction sets (int8 speed and numerics depend on them): {host.isa_text(meta.get('host'))}.")
     add(f"- Load: 1/5/15-min load average {load_before} before the run and {load_after} after; "
         f"{meta['other_servers']} tritonserver process(es) not started by this run were running.")
     add(f"- Server: Triton {versions.get('TRITON_VERSION', '?')}, `scripts/serve.sh` on a temp copy of "

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import re
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from tools import model_config
+from tools import host, model_config
 from tools.bench import clients, harness, inprocess, inputs, report, sections
 
 REPO = harness.REPO
@@ -57,23 +56,6 @@ MODES = {
 
 def log(message):
     print(f"bench: {message}", file=sys.stderr, flush=True)
-
-
-def machine():
-    cpu = platform.processor() or ""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_kb = int(re.search(r"MemTotal:\s+(\d+)", pathlib.Path("/proc/meminfo").read_text()).group(1))
-        mem = f"{mem_kb / 1024 / 1024:.0f} GiB RAM"
-    except (OSError, AttributeError):
-        mem = "RAM unknown"
-    return f"{cpu}, {os.cpu_count()} cores, {mem}, {platform.system()} {platform.release()}, no GPU used"
 
 
 def git_commit():
@@ -473,8 +455,10 @@ def main(argv=None):
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{mode}_"))
     ctx = Context(mode, workdir, params)
     started = time.monotonic()
+    machine = host.describe()
     meta = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine(), "cores": os.cpu_count(), "commit": git_commit(),
+            "machine": f"{host.summary(machine)}, no GPU used", "host": machine, "cores": os.cpu_count(),
+            "commit": git_commit(),
             "load_before": harness.load_average(), "other_servers": other_tritonservers(), "params": params,
             "command": {"full": "make bench", "quick": "make bench-quick"}.get(
                 mode, f"python -m tools.bench.run --mode {mode}"),
