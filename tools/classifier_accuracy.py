@@ -24,7 +24,7 @@ import platform
 import numpy as np
 
 from scripts import export_onnx
-from tools import docs_section
+from tools import docs_section, host
 from tools.backend_code import load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -109,7 +109,8 @@ def markdown(results):
     d = results["draft_vs_full"]
     lines = [
         f"Measured {results['date']} with `{results['command']}` "
-        f"(onnxruntime {results['onnxruntime']}); JSON: [{results['file']}]({results['file_link']}).",
+        f"(onnxruntime {results['onnxruntime']}; CPU instruction sets: {host.isa_text(results.get('host'))}); "
+        f"JSON: [{results['file']}]({results['file_link']}).",
         "",
         "| comparison | images | top-1 agreement | top-5 overlap |",
         "| --- | ---: | ---: | ---: |",
@@ -156,6 +157,7 @@ def main(argv=None):
         "command": "python -m tools.classifier_accuracy" + (f" --crops {args.crops}" if args.crops != 600 else ""),
         "onnxruntime": onnxruntime.__version__,
         "machine": platform.machine(),
+        "host": host.describe(),
         "int8_vs_fp32": [int8_vs_fp32(args.crops, min_area) for min_area in MIN_AREAS],
         "draft_vs_full": draft_vs_full(),
     }

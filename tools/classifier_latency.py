@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from scripts import export_onnx
-from tools import docs_section
+from tools import docs_section, host
 from tools.backend_code import load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -87,6 +87,58 @@ def jpeg(size):
     return buffer.getvalue()
 
 
+def measure_forward(threads, batch_sizes, rounds):
+    """ms per image of each runtime's forward pass at each batch size, the runtimes taking turns."""
+    classify = runtimes(threads)
+    crops = export_onnx.evaluation_pixels(max(batch_sizes))
+    steps = {f"{name} b{batch}": (lambda fn=fn, batch=batch: fn(crops[:batch]), batch)
+             for batch in batch_sizes for name, fn in classify.items()}
+    return list(classify), side_by_side(steps, rounds)
+
+
+def measure_decode(rounds):
+    """ms per image of the preprocess: a small JPEG, and a phone photo with and without the reduced-scale decode."""
+    image_decode = load("image_preprocess", "image_decode")
+    drafted = image_decode.ImagePreprocessor(image_decode.PreprocessSettings())
+    full = image_decode.ImagePreprocessor(image_decode.PreprocessSettings(jpeg_draft=False))
+    small, phone = jpeg((640, 480)), jpeg((4032, 3024))
+    return side_by_side({
+        "640x480 JPEG": (lambda: drafted(small), 1),
+        "4032x3024 JPEG, reduced-scale decode": (lambda: drafted(phone), 1),
+        "4032x3024 JPEG, full decode": (lambda: full(phone), 1),
+    }, max(3, rounds // 3))
+
+
+def markdown(results, names, batch_sizes, earlier, results_name):
+    """The latency section of docs/classifier-runtime.md."""
+    forward, decode = results["forward_ms_per_image"], results["decode_ms_per_image"]
+    lines = [
+        f"Measured {results['date']} with `{results['command']}`: {results['threads']} thread, median of "
+        f"{results['rounds']} rounds in which the runtimes take turns (min-max in brackets), torch "
+        f"{results['torch']}, onnxruntime {results['onnxruntime']}, {results['cpus']} cores shared with other work "
+        f"(CPU instruction sets: {host.isa_text(results.get('host'))}; load average "
+        f"{results['load_average_at_end'][0]:.1f} at the end): compare within the table, not across runs. "
+        f"JSON: [{results_name}](results/{results_name}).",
+        "",
+        "| ms per image | " + " | ".join(f"batch {b}" for b in batch_sizes) + " |",
+        "| --- | " + " | ".join("---:" for _ in batch_sizes) + " |",
+    ]
+    for name in names:
+        cells = []
+        for batch in batch_sizes:
+            t = forward[f"{name} b{batch}"]
+            cells.append(f"{t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| decode + crop + resize (preprocess) | ms per image |", "| --- | ---: |"]
+    lines += [f"| {name} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) |" for name, t in decode.items()]
+    if earlier:
+        lines += ["", "Earlier runs, batch 1 medians (ms per image): " + "; ".join(
+            f"{run['date']} " + ", ".join(f"{name} {run['forward_ms_per_image'][f'{name} b1']['median']:.1f}"
+                                          for name in names)
+            for run in earlier) + "."]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
@@ -100,22 +152,8 @@ def main(argv=None):
     import torch
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    classify = runtimes(args.threads)
-    crops = export_onnx.evaluation_pixels(max(batch_sizes))
-    steps = {f"{name} b{batch}": (lambda fn=fn, batch=batch: fn(crops[:batch]), batch)
-             for batch in batch_sizes for name, fn in classify.items()}
-    forward = side_by_side(steps, args.rounds)
-
-    image_decode = load("image_preprocess", "image_decode")
-    drafted = image_decode.ImagePreprocessor(image_decode.PreprocessSettings())
-    full = image_decode.ImagePreprocessor(image_decode.PreprocessSettings(jpeg_draft=False))
-    small, phone = jpeg((640, 480)), jpeg((4032, 3024))
-    decode = side_by_side({
-        "640x480 JPEG": (lambda: drafted(small), 1),
-        "4032x3024 JPEG, reduced-scale decode": (lambda: drafted(phone), 1),
-        "4032x3024 JPEG, full decode": (lambda: full(phone), 1),
-    }, max(3, args.rounds // 3))
-
+    names, forward = measure_forward(args.threads, batch_sizes, args.rounds)
+    decode = measure_decode(args.rounds)
     results = {
         "date": datetime.date.today().isoformat(),
         "command": "python -m tools.classifier_latency"
@@ -123,7 +161,7 @@ def main(argv=None):
                    + (f" --batch-sizes {args.batch_sizes}" if args.batch_sizes != "1,2,4,8" else "")
                    + (f" --threads {args.threads}" if args.threads != 1 else ""),
         "threads": args.threads, "rounds": args.rounds, "cpus": os.cpu_count(),
-        "load_average_at_end": os.getloadavg(),
+        "host": host.describe(), "load_average_at_end": os.getloadavg(),
         "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
         "forward_ms_per_image": forward, "decode_ms_per_image": decode,
         "pixels_bytes_per_image": {"uint8": 3 * 224 * 224, "float32": 4 * 3 * 224 * 224},
@@ -132,30 +170,7 @@ def main(argv=None):
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps({"runs": [*earlier, results]}, indent=1) + "\n")
 
-    lines = [
-        f"Measured {results['date']} with `{results['command']}`: {args.threads} thread, median of "
-        f"{args.rounds} rounds in which the runtimes take turns (min-max in brackets), torch {torch.__version__}, "
-        f"onnxruntime {onnxruntime.__version__}, {os.cpu_count()} cores shared with other work (load average "
-        f"{results['load_average_at_end'][0]:.1f} at the end): compare within the table, not across runs. "
-        f"JSON: [{args.results.name}](results/{args.results.name}).",
-        "",
-        "| ms per image | " + " | ".join(f"batch {b}" for b in batch_sizes) + " |",
-        "| --- | " + " | ".join("---:" for _ in batch_sizes) + " |",
-    ]
-    for name in classify:
-        cells = []
-        for batch in batch_sizes:
-            t = forward[f"{name} b{batch}"]
-            cells.append(f"{t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "| decode + crop + resize (preprocess) | ms per image |", "| --- | ---: |"]
-    lines += [f"| {name} | {t['median']:.1f} ({t['min']:.1f}-{t['max']:.1f}) |" for name, t in decode.items()]
-    if earlier:
-        lines += ["", "Earlier runs, batch 1 medians (ms per image): " + "; ".join(
-            f"{run['date']} " + ", ".join(f"{name} {run['forward_ms_per_image'][f'{name} b1']['median']:.1f}"
-                                          for name in classify)
-            for run in earlier) + "."]
-    text = "\n".join(lines)
+    text = markdown(results, names, batch_sizes, earlier, args.results.name)
     if not args.no_docs:
         docs_section.replace(REPO / "docs/classifier-runtime.md", "latency", text)
     print(text)

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from tools import model_config
+from tools import host, model_config
 from tools.local_stack import TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def main(argv=None):
         row["after_over_before"] = row["after_p50_ms"] / row["before_p50_ms"]
     results = {"date": datetime.date.today().isoformat(), "command": "python -m tools.classify_before_after",
                "rounds": args.rounds, "requests_per_round": args.requests, "load_average_at_end": load,
-               "p50": rows}
+               "host": host.describe(), "p50": rows}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1) + "\n")
     print(f"classify p50 at concurrency 1, {args.rounds} rounds x {args.requests} requests each, load average {load:.1f}")

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from classify_describe.client import backoff_s  # the clients' own back-off
+from tools import host
 from tools.local_stack import FakeLLM, TritonServer
 
 ENSEMBLE = "classify_and_describe"
@@ -171,6 +172,7 @@ def main(argv=None):
             finally:
                 server.stop()
                 llm.stop()
+    results["host"] = host.describe()
     results["settings"] = {k: v for k, v in vars(args).items() if k not in ("results", "grpc_url")}
     text = json.dumps(results, indent=2, default=str)
     print(text)

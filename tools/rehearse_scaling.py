@@ -44,6 +44,7 @@ import urllib.error
 import urllib.request
 
 from classify_describe.client import AsyncClient
+from tools import host
 from tools.local_stack import FakeLLM, NotReady, TritonServer, free_port, stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -380,7 +381,7 @@ def nginx_retries(access_log):
     return len(lines), retried
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--capacity-s", type=float, default=10,
                         help="closed-loop measurement on one replica, per concurrency level")
@@ -402,123 +403,150 @@ def main():
     parser.add_argument("--max-in-flight", type=int, default=64, help="client cap on open-loop requests in flight")
     parser.add_argument("--result-json", type=pathlib.Path, default=REPO / "build/rehearsal/result.json")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir with all logs")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    for needed in (".venv/bin/python", "build/backends/python", "model_repository/classifier/1/model.pt"):
-        if not (REPO / needed).exists():
-            raise SystemExit(f"rehearse: {needed} is missing; run `make build` first")
 
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="rehearse-"))
+def start_replicas(started, workdir, llm_url, report):
+    """Replicas A and B, started together and ready, with the describe step's settings as the
+    ConfigMap sets them (deploy/base/configmap-llm.yaml)."""
+    env_extra = {"LLM_TIMEOUT_S": "15", "LLM_TOTAL_TIMEOUT_S": "25", "LLM_MAX_ATTEMPTS": "2"}
+    replicas = [Replica(name, started, workdir, llm_url, env_extra) for name in ("a", "b")]
+    boot = time.monotonic()
+    for replica in replicas:
+        replica.start()
+    for replica in replicas:
+        replica.wait_ready()
+    report["startup_to_ready_s"] = round(time.monotonic() - boot, 1)
+    return replicas
+
+
+def measure_capacity(replica, images, levels, seconds):
+    """Closed-loop points straight at one replica (the other idles: on this host they share the CPUs)."""
+    url = f"127.0.0.1:{replica.http}"
+    asyncio.run(closed_loop(url, images, levels[0], 3, "warmup"))
+    points = []
+    for level in levels:
+        queue_before = compute_queue_us(replica.metrics)
+        tally, elapsed = asyncio.run(closed_loop(url, images, level, seconds, f"capacity{level}"))
+        queue_after = compute_queue_us(replica.metrics)
+        point = {
+            "concurrency": level, "seconds": round(elapsed, 1), "sent": tally.sent,
+            "answered": tally.answered, "failed": tally.failed,
+            "throughput_rps": round(tally.answered / elapsed, 2),
+            "latency": percentiles([r[1] for r in tally.records if r[2]]),
+            # What the HPA's custom metric reads (deploy/monitoring/prometheus-adapter-values.yaml).
+            "compute_queue_ms_per_request": round(
+                (queue_after - queue_before) / 1e3 / max(tally.answered, 1), 1),
+        }
+        points.append(point)
+        log(f"one replica, closed loop x{level}: {point['throughput_rps']} req/s, latency {point['latency']}, "
+            f"preprocess+classifier queue {point['compute_queue_ms_per_request']} ms/request")
+        if tally.failed:
+            log(f"capacity phase failures: {tally.failures}")
+    return points
+
+
+async def stop_and_restart(replica, nginx, args, timeline, load_start):
+    """During the failover load: (drain,) SIGTERM replica A, start it again, note when each happened."""
+    def now():
+        return round(time.monotonic() - load_start, 1)
+
+    await asyncio.sleep(args.stop_after_s)
+    if args.drain_s:
+        timeline["drained_s"] = now()
+        log(f"draining replica A: marked down in nginx, SIGTERM in {args.drain_s} s")
+        nginx.set_a_down(True)
+        await asyncio.sleep(args.drain_s)
+    timeline["sigterm_s"] = now()
+    log(f"SIGTERM to replica A (pid {replica.process.pid})")
+    status = await asyncio.to_thread(replica.terminate)
+    timeline["exited_s"] = now()
+    timeline["exit_status"] = status
+    timeline["stop_took_s"] = round(timeline["exited_s"] - timeline["sigterm_s"], 1)
+    log(f"replica A exited with {status}; starting it again")
+    replica.start()
+    await asyncio.to_thread(replica.wait_ready)
+    timeline["ready_again_s"] = now()
+    if args.drain_s:
+        nginx.set_a_down(False)
+    log("replica A ready again")
+
+
+def failover(args, started, workdir, replicas, images, rate, llm_port):
+    """Open-loop load through nginx while replica A stops and starts again -> (figures, ok)."""
+    nginx = Nginx(started, workdir, [r.http for r in replicas])
+    timeline = {}
+    load_start = time.monotonic()
+    log(f"failover: {rate} req/s for {args.failover_s:.0f} s through nginx on 127.0.0.1:{nginx.port}")
+    tally, t0, _ = asyncio.run(open_loop(
+        f"127.0.0.1:{nginx.port}", images, rate, args.failover_s, args.max_in_flight, "failover",
+        during=lambda: stop_and_restart(replicas[0], nginx, args, timeline, load_start),
+        retries=args.client_retries))
+    stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{llm_port}/_admin/stats", timeout=5))
+    nginx_requests, retried = nginx_retries(workdir / "nginx-access.log")
+
+    def window(lo, hi):
+        return percentiles([lat for at, lat, good in tally.records if good and lo <= at - t0 < hi])
+
+    end = 10**9
+    stop_at = timeline.get("sigterm_s", end)
+    exited_at = timeline.get("exited_s", end)
+    ready_at = timeline.get("ready_again_s", end)
+    figures = {
+        "rate_rps": rate, "seconds": args.failover_s, "sent": tally.sent, "answered": tally.answered,
+        "failed": tally.failed, "failures": tally.failures, "description_source": tally.sources,
+        "client_retries": tally.client_retries,
+        "timeline_s": timeline, "nginx_requests": nginx_requests, "nginx_retried_on_other_replica": retried,
+        # Windows by when a request started. On this host the replicas share the
+        # CPUs: while A stops, B has them all; while A starts again, its model
+        # loading and warmup compete with B (on a cluster they would not).
+        "latency_before_stop": window(0, stop_at),
+        "latency_a_stopping": window(stop_at, exited_at),
+        "latency_a_starting": window(exited_at, ready_at),
+        "latency_after_restart": window(ready_at, end),
+        "llm_calls": stats.get("requests"), "llm_max_in_flight": stats.get("max_in_flight"),
+    }
+    ok = tally.failed == 0 and tally.sent == tally.answered and "ready_again_s" in timeline
+    return figures, ok
+
+
+def rehearse(args, workdir, report):
+    """Both phases; True when every failover request was answered and A came back."""
     started = Started()
-    report = {"host": {"cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
-              "settings": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
-    ok = False
     try:
         try:
             llm = FakeLLM(workdir / "fake-llm.log", args.llm_latency_ms)
         except NotReady as error:
             raise SystemExit(f"rehearse: {error}") from None
         started.track("fake LLM", llm.process)
-        llm_port, llm_url = llm.port, llm.base_url
-        # The describe step's settings as the ConfigMap sets them (deploy/base/configmap-llm.yaml).
-        env_extra = {"LLM_TIMEOUT_S": "15", "LLM_TOTAL_TIMEOUT_S": "25", "LLM_MAX_ATTEMPTS": "2"}
-        replicas = [Replica(name, started, workdir, llm_url, env_extra) for name in ("a", "b")]
-        boot = time.monotonic()
-        for replica in replicas:
-            replica.start()
-        for replica in replicas:
-            replica.wait_ready()
-        report["startup_to_ready_s"] = round(time.monotonic() - boot, 1)
+        replicas = start_replicas(started, workdir, llm.base_url, report)
         log(f"replicas ready in {report['startup_to_ready_s']} s: A http {replicas[0].http}, "
-            f"B http {replicas[1].http}; fake LLM {llm_url} ({args.llm_latency_ms:.0f} ms); logs in {workdir}")
-
+            f"B http {replicas[1].http}; fake LLM {llm.base_url} ({args.llm_latency_ms:.0f} ms); logs in {workdir}")
         images = photo_variants(2000)
-
-        # Capacity of one replica, straight at A (B idles: on this host they share the CPUs).
-        url_a = f"127.0.0.1:{replicas[0].http}"
         levels = [int(level) for level in args.concurrency.split(",")]
-        asyncio.run(closed_loop(url_a, images, levels[0], 3, "warmup"))
-        report["capacity_one_replica"] = []
-        for level in levels:
-            queue_before = compute_queue_us(replicas[0].metrics)
-            tally, elapsed = asyncio.run(closed_loop(url_a, images, level, args.capacity_s, f"capacity{level}"))
-            queue_after = compute_queue_us(replicas[0].metrics)
-            point = {
-                "concurrency": level, "seconds": round(elapsed, 1), "sent": tally.sent,
-                "answered": tally.answered, "failed": tally.failed,
-                "throughput_rps": round(tally.answered / elapsed, 2),
-                "latency": percentiles([r[1] for r in tally.records if r[2]]),
-                # What the HPA's custom metric reads (deploy/monitoring/prometheus-adapter-values.yaml).
-                "compute_queue_ms_per_request": round(
-                    (queue_after - queue_before) / 1e3 / max(tally.answered, 1), 1),
-            }
-            report["capacity_one_replica"].append(point)
-            log(f"one replica, closed loop x{level}: {point['throughput_rps']} req/s, latency {point['latency']}, "
-                f"preprocess+classifier queue {point['compute_queue_ms_per_request']} ms/request")
-            if tally.failed:
-                log(f"capacity phase failures: {tally.failures}")
+        report["capacity_one_replica"] = measure_capacity(replicas[0], images, levels, args.capacity_s)
         throughput = max(point["throughput_rps"] for point in report["capacity_one_replica"])
-
-        # Failover under load, through nginx.
-        nginx = Nginx(started, workdir, [r.http for r in replicas])
-        nginx_port = nginx.port
         rate = args.rate or max(1.0, round(throughput / 2, 1))
-        timeline = {}
-
-        async def stop_and_restart_a():
-            await asyncio.sleep(args.stop_after_s)
-            replica = replicas[0]
-            if args.drain_s:
-                timeline["drained_s"] = round(time.monotonic() - load_start[0], 1)
-                log(f"draining replica A: marked down in nginx, SIGTERM in {args.drain_s} s")
-                nginx.set_a_down(True)
-                await asyncio.sleep(args.drain_s)
-            timeline["sigterm_s"] = round(time.monotonic() - load_start[0], 1)
-            log(f"SIGTERM to replica A (pid {replica.process.pid})")
-            status = await asyncio.to_thread(replica.terminate)
-            timeline["exited_s"] = round(time.monotonic() - load_start[0], 1)
-            timeline["exit_status"] = status
-            timeline["stop_took_s"] = round(timeline["exited_s"] - timeline["sigterm_s"], 1)
-            log(f"replica A exited with {status}; starting it again")
-            replica.start()
-            await asyncio.to_thread(replica.wait_ready)
-            timeline["ready_again_s"] = round(time.monotonic() - load_start[0], 1)
-            if args.drain_s:
-                nginx.set_a_down(False)
-            log("replica A ready again")
-
-        load_start = [time.monotonic()]
-        log(f"failover: {rate} req/s for {args.failover_s:.0f} s through nginx on 127.0.0.1:{nginx_port}")
-        tally, t0, _ = asyncio.run(open_loop(f"127.0.0.1:{nginx_port}", images, rate, args.failover_s,
-                                             args.max_in_flight, "failover", during=stop_and_restart_a,
-                                             retries=args.client_retries))
-        stats = json.load(urllib.request.urlopen(f"http://127.0.0.1:{llm_port}/_admin/stats", timeout=5))
-        nginx_requests, retried = nginx_retries(workdir / "nginx-access.log")
-
-        def window(lo, hi):
-            return percentiles([lat for at, lat, good in tally.records if good and lo <= at - t0 < hi])
-
-        end = 10**9
-        stop_at = timeline.get("sigterm_s", end)
-        exited_at = timeline.get("exited_s", end)
-        ready_at = timeline.get("ready_again_s", end)
-        report["failover"] = {
-            "rate_rps": rate, "seconds": args.failover_s, "sent": tally.sent, "answered": tally.answered,
-            "failed": tally.failed, "failures": tally.failures, "description_source": tally.sources,
-            "client_retries": tally.client_retries,
-            "timeline_s": timeline, "nginx_requests": nginx_requests, "nginx_retried_on_other_replica": retried,
-            # Windows by when a request started. On this host the replicas share the
-            # CPUs: while A stops, B has them all; while A starts again, its model
-            # loading and warmup compete with B (on a cluster they would not).
-            "latency_before_stop": window(0, stop_at),
-            "latency_a_stopping": window(stop_at, exited_at),
-            "latency_a_starting": window(exited_at, ready_at),
-            "latency_after_restart": window(ready_at, end),
-            "llm_calls": stats.get("requests"), "llm_max_in_flight": stats.get("max_in_flight"),
-        }
-        ok = tally.failed == 0 and tally.sent == tally.answered and "ready_again_s" in timeline
+        report["failover"], ok = failover(args, started, workdir, replicas, images, rate, llm.port)
+        return ok
     finally:
         started.stop_all()
+
+
+def main():
+    args = parse_args()
+    for needed in (".venv/bin/python", "build/backends/python", "model_repository/classifier/1/model.pt"):
+        if not (REPO / needed).exists():
+            raise SystemExit(f"rehearse: {needed} is missing; run `make build` first")
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="rehearse-"))
+    report = {"host": {**host.describe(), "cpus": os.cpu_count(),
+                       "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]},
+              "settings": {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}}
+    ok = False
+    try:
+        ok = rehearse(args, workdir, report)
+    finally:
         report["ok"] = ok
         args.result_json.parent.mkdir(parents=True, exist_ok=True)
         args.result_json.write_text(json.dumps(report, indent=2) + "\n")
@@ -531,9 +559,11 @@ def main():
     if "failover" not in report:
         return 1
     failover = report["failover"]
+    throughput = max(point["throughput_rps"] for point in report["capacity_one_replica"])
     print(f"\nrehearse: requests sent {failover['sent']}, answered {failover['answered']}, "
           f"failed {failover['failed']} (expected 0); nginx resent {failover['nginx_retried_on_other_replica']} "
-          f"to the other replica, the client resent {failover['client_retries']}; per-replica throughput {throughput:.1f} req/s "
+          f"to the other replica, the client resent {failover['client_retries']}; per-replica throughput "
+          f"{throughput:.1f} req/s "
           f"-> {args.result_json.relative_to(REPO) if args.result_json.is_relative_to(REPO) else args.result_json}")
     return 0 if ok else 1
 

@@ -58,6 +58,7 @@ import numpy as np
 
 from classify_describe import AsyncClient, TritonRequestError
 from serving.procfs import http_json, rss_mb, stub_pid, tritonserver_pid
+from tools import host
 from tools.local_stack import FakeLLM, TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -320,11 +321,18 @@ def _prompt(data):
 
 
 def hostile_corpus(images, seed=0):
-    """At least 200 malformed requests, generated (seeded, reproducible)."""
-    from tools.reference import bad_images, png_with_header_size
-
+    """At least 200 malformed requests, generated (seeded, reproducible: the generators below
+    draw from one random generator, in this order)."""
     rng = np.random.default_rng(seed)
     cat, coffee = images["chelsea"], images["coffee"]
+    return [*_image_cases(cat, coffee, rng), *_prompt_cases(cat, rng), *_parameter_cases(coffee),
+            *_protocol_cases("http", cat), *_protocol_cases("grpc", cat), *_raw_cases(rng)]
+
+
+def _image_cases(cat, coffee, rng):
+    """Undecodable images: known bad files, random bytes, truncated photos, lying headers, too many bytes."""
+    from tools.reference import bad_images, png_with_header_size
+
     cases = []
     for name, (data, _words) in bad_images().items():
         cases.append(Case(f"bad_image:{name}", "image", inputs=[_image(data)], mention=None))
@@ -346,7 +354,12 @@ def hostile_corpus(images, seed=0):
                           inputs=[_image(png_with_header_size(width, height))]))
     cases.append(Case("image_21MiB", "image", inputs=[_image(b"\xff\xd8\xff\xe0" + bytes(21 * 1024 * 1024))],
                       mention="bytes"))
-    # Prompts (on a valid image, so the error comes from the describe step).
+    return cases
+
+
+def _prompt_cases(cat, rng):
+    """Prompts on a valid image, so the error comes from the describe step."""
+    cases = []
     cases.append(Case("prompt_empty", "prompt", inputs=[_image(cat), _prompt(b"")], expect="ok"))
     cases.append(Case("prompt_whitespace", "prompt", inputs=[_image(cat), _prompt(b"  \n\t ")], expect="ok"))
     for size in (2001, 5000, 65536, 1 << 20):
@@ -362,7 +375,11 @@ def hostile_corpus(images, seed=0):
     for seq in (b"\xc3", b"\xe2\x82", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"abc\x80"):
         cases.append(Case(f"prompt_bad_sequence:{seq.hex()}", "prompt", inputs=[_image(cat), _prompt(seq)],
                           mention="UTF-8"))
-    # Request parameters.
+    return cases
+
+
+def _parameter_cases(coffee):
+    cases = []
     for params, word in [({"temperature": 5.0}, "temperature"), ({"temperature": -1}, "temperature"),
                          ({"temperature": "hot"}, "temperature"), ({"max_tokens": 100000}, "max_tokens"),
                          ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -5}, "max_tokens"),
@@ -373,31 +390,41 @@ def hostile_corpus(images, seed=0):
                          ({"max_tokens": 10.5}, "max_tokens")]:
         cases.append(Case(f"parameters:{json.dumps(params)}", "parameters",
                           inputs=[_image(coffee), _prompt(b"what is it?")], parameters=params, mention=word))
-    # Wrong dtypes and shapes, over both protocols.
-    for protocol in ("http", "grpc"):
-        for dtype, array in [("FP32", np.zeros((1, 1), np.float32)), ("INT8", np.zeros((1, 1), np.int8)),
-                             ("UINT8", np.frombuffer(cat[:1024], np.uint8).reshape(1, 1024)),
-                             ("BOOL", np.ones((1, 1), bool)), ("INT64", np.zeros((1, 1), np.int64))]:
-            cases.append(Case(f"dtype:{protocol}:IMAGE:{dtype}", "dtype", protocol=protocol,
-                              inputs=[("IMAGE", dtype, array)]))
-        cases.append(Case(f"dtype:{protocol}:PROMPT:INT32", "dtype", protocol=protocol,
-                          inputs=[_image(cat), ("PROMPT", "INT32", np.zeros((1, 1), np.int32))]))
-        for label, array in [("1x2", np.array([[cat, cat]], dtype=np.object_)),
-                             ("1x1x1", np.array([[[cat]]], dtype=np.object_)),
-                             ("flat_1", np.array([cat], dtype=np.object_)),
-                             ("batch_9", np.array([[cat]] * 9, dtype=np.object_)),
-                             ("batch_64", np.array([[b"x"]] * 64, dtype=np.object_))]:
-            cases.append(Case(f"shape:{protocol}:IMAGE:{label}", "shape", protocol=protocol,
-                              inputs=[("IMAGE", "BYTES", array)]))
-        cases.append(Case(f"shape:{protocol}:PROMPT:1x3", "shape", protocol=protocol,
-                          inputs=[_image(cat), ("PROMPT", "BYTES", np.array([[b"a", b"b", b"c"]], np.object_))]))
-        cases.append(Case(f"missing:{protocol}:IMAGE", "shape", protocol=protocol,
-                          inputs=[_prompt(b"where is the image?")]))
-        cases.append(Case(f"unknown_input:{protocol}", "shape", protocol=protocol,
-                          inputs=[_image(cat), ("IMAGEZ", "BYTES", np.array([[b"x"]], np.object_))]))
-        cases.append(Case(f"unknown_model:{protocol}", "shape", protocol=protocol, model="no_such_model",
-                          inputs=[_image(cat)]))
-    # Raw HTTP bodies that no client library would build.
+    return cases
+
+
+def _protocol_cases(protocol, cat):
+    """Wrong dtypes and shapes, missing and unknown inputs, an unknown model."""
+    cases = []
+    for dtype, array in [("FP32", np.zeros((1, 1), np.float32)), ("INT8", np.zeros((1, 1), np.int8)),
+                         ("UINT8", np.frombuffer(cat[:1024], np.uint8).reshape(1, 1024)),
+                         ("BOOL", np.ones((1, 1), bool)), ("INT64", np.zeros((1, 1), np.int64))]:
+        cases.append(Case(f"dtype:{protocol}:IMAGE:{dtype}", "dtype", protocol=protocol,
+                          inputs=[("IMAGE", dtype, array)]))
+    cases.append(Case(f"dtype:{protocol}:PROMPT:INT32", "dtype", protocol=protocol,
+                      inputs=[_image(cat), ("PROMPT", "INT32", np.zeros((1, 1), np.int32))]))
+    for label, array in [("1x2", np.array([[cat, cat]], dtype=np.object_)),
+                         ("1x1x1", np.array([[[cat]]], dtype=np.object_)),
+                         ("flat_1", np.array([cat], dtype=np.object_)),
+                         ("batch_9", np.array([[cat]] * 9, dtype=np.object_)),
+                         ("batch_64", np.array([[b"x"]] * 64, dtype=np.object_))]:
+        cases.append(Case(f"shape:{protocol}:IMAGE:{label}", "shape", protocol=protocol,
+                          inputs=[("IMAGE", "BYTES", array)]))
+    cases.append(Case(f"shape:{protocol}:PROMPT:1x3", "shape", protocol=protocol,
+                      inputs=[_image(cat), ("PROMPT", "BYTES", np.array([[b"a", b"b", b"c"]], np.object_))]))
+    cases.append(Case(f"missing:{protocol}:IMAGE", "shape", protocol=protocol,
+                      inputs=[_prompt(b"where is the image?")]))
+    cases.append(Case(f"unknown_input:{protocol}", "shape", protocol=protocol,
+                      inputs=[_image(cat), ("IMAGEZ", "BYTES", np.array([[b"x"]], np.object_))]))
+    cases.append(Case(f"unknown_model:{protocol}", "shape", protocol=protocol, model="no_such_model",
+                      inputs=[_image(cat)]))
+    return cases
+
+
+def _raw_cases(rng):
+    """Raw HTTP bodies that no client library would build."""
+    cases = []
+
     def raw(name, body, headers=None, model=ENSEMBLE, expect="error"):
         cases.append(Case(f"raw:{name}", "raw", raw_body=body, raw_headers=headers, model=model,
                           expect=expect))
@@ -439,45 +466,52 @@ def send_case(case, http_url, grpc_url, timeout_s=60.0):
     outcome = {"name": case.name, "category": case.category, "expect": case.expect}
     try:
         if case.raw_body is not None:
-            request = urllib.request.Request(
-                f"http://{http_url}/v2/models/{case.model}/infer", data=case.raw_body, method="POST",
-                headers={"Content-Type": "application/octet-stream", **case.raw_headers})
-            try:
-                with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                    outcome.update(outcome="ok", code=response.status, message="")
-            except urllib.error.HTTPError as error:
-                body = error.read().decode(errors="replace")
-                try:
-                    message = json.loads(body).get("error", body)
-                except ValueError:
-                    message = body
-                outcome.update(outcome="error", code=error.code, message=message)
+            outcome.update(_send_raw(case, http_url, timeout_s))
         else:
-            if case.protocol == "http":
-                import tritonclient.http as module
-                client = module.InferenceServerClient(http_url, network_timeout=timeout_s,
-                                                      connection_timeout=timeout_s)
-            else:
-                import tritonclient.grpc as module
-                client = module.InferenceServerClient(grpc_url)
-            tensors = []
-            for name, datatype, array in case.inputs:
-                tensor = module.InferInput(name, list(array.shape), datatype)
-                tensor.set_data_from_numpy(array)
-                tensors.append(tensor)
-            kwargs = {"client_timeout": timeout_s} if case.protocol == "grpc" else {}
-            try:
-                client.infer(case.model, tensors, parameters=case.parameters, **kwargs)
-                outcome.update(outcome="ok", code=200, message="")
-            except module.InferenceServerException as error:
-                outcome.update(outcome="error", code=str(error.status()), message=error.message() or "")
-            finally:
-                client.close()
+            outcome.update(_send_with_tritonclient(case, http_url, grpc_url, timeout_s))
     except Exception as error:  # noqa: BLE001 - no answer at all is a finding
         outcome.update(outcome="no_answer", code=None, message=f"{type(error).__name__}: {error}"[:300])
     outcome["seconds"] = round(time.monotonic() - started, 3)
     outcome["clear"] = is_clear(case, outcome)
     return outcome
+
+
+def _send_raw(case, http_url, timeout_s):
+    request = urllib.request.Request(
+        f"http://{http_url}/v2/models/{case.model}/infer", data=case.raw_body, method="POST",
+        headers={"Content-Type": "application/octet-stream", **case.raw_headers})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return {"outcome": "ok", "code": response.status, "message": ""}
+    except urllib.error.HTTPError as error:
+        body = error.read().decode(errors="replace")
+        try:
+            message = json.loads(body).get("error", body)
+        except ValueError:
+            message = body
+        return {"outcome": "error", "code": error.code, "message": message}
+
+
+def _send_with_tritonclient(case, http_url, grpc_url, timeout_s):
+    if case.protocol == "http":
+        import tritonclient.http as module
+        client = module.InferenceServerClient(http_url, network_timeout=timeout_s, connection_timeout=timeout_s)
+    else:
+        import tritonclient.grpc as module
+        client = module.InferenceServerClient(grpc_url)
+    tensors = []
+    for name, datatype, array in case.inputs:
+        tensor = module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    kwargs = {"client_timeout": timeout_s} if case.protocol == "grpc" else {}
+    try:
+        client.infer(case.model, tensors, parameters=case.parameters, **kwargs)
+        return {"outcome": "ok", "code": 200, "message": ""}
+    except module.InferenceServerException as error:
+        return {"outcome": "error", "code": str(error.status()), "message": error.message() or ""}
+    finally:
+        client.close()
 
 
 SERVER_SIDE_CODES = {"500", "StatusCode.INTERNAL", "StatusCode.UNKNOWN"}
@@ -529,170 +563,208 @@ def corpus_summary(results):
 
 # -- the run ------------------------------------------------------------------------
 
-async def soak(args, workdir):
-    llm_key = "sk-soak-" + os.urandom(12).hex()
-    admin_key = "adm-soak-" + os.urandom(12).hex()
-    images = photos()
-    report = {"faults": [], "rss_mb": []}
-    fake = FakeUpstream(workdir, args.llm_latency_ms)
-    server = Server(workdir, {"LLM_BASE_URL": fake.base_url, "LLM_API_KEY": llm_key,
-                              "TRITON_ADMIN_KEY": admin_key})
-    scan = SecretScan({"LLM key": llm_key, "admin key": admin_key})
-    tally = Tally(scan)
-    client = AsyncClient(server.http_url, concurrency=args.concurrency, timeout_s=120.0, retries=args.retries,
-                         retry_backoff_s=0.5)
-    stop = asyncio.Event()
-    run_started = time.monotonic()
-    deadline = run_started + args.duration_s
-    phase_s = max(args.min_phase_s, args.duration_s * 0.03)
+class SoakRun:
+    """One soak: the processes, the valid load and what it saw, with one method per phase."""
 
-    def sample_rss(label):
-        value = server.rss_mb()
-        report["rss_mb"].append({"t_s": round(time.monotonic() - run_started, 1), "label": label, "mb": value})
+    def __init__(self, args, workdir):
+        self.args = args
+        self.llm_key = "sk-soak-" + os.urandom(12).hex()
+        admin_key = "adm-soak-" + os.urandom(12).hex()
+        self.images = photos()
+        self.report = {"faults": [], "rss_mb": []}
+        self.fake = FakeUpstream(workdir, args.llm_latency_ms)
+        self.server = Server(workdir, {"LLM_BASE_URL": self.fake.base_url, "LLM_API_KEY": self.llm_key,
+                                       "TRITON_ADMIN_KEY": admin_key})
+        self.scan = SecretScan({"LLM key": self.llm_key, "admin key": admin_key})
+        self.tally = Tally(self.scan)
+        self.client = AsyncClient(self.server.http_url, concurrency=args.concurrency, timeout_s=120.0,
+                                  retries=args.retries, retry_backoff_s=0.5)
+        self.stop = asyncio.Event()
+        self.started = time.monotonic()
+        self.deadline = self.started + args.duration_s
+        self.phase_s = max(args.min_phase_s, args.duration_s * 0.03)
+
+    # -- helpers of the phases
+
+    def sample_rss(self, label):
+        value = self.server.rss_mb()
+        self.report["rss_mb"].append({"t_s": round(time.monotonic() - self.started, 1), "label": label, "mb": value})
         return value
 
-    async def sleep_until(t):
-        while time.monotonic() < t and not stop.is_set():
+    async def sleep_until(self, t):
+        while time.monotonic() < t and not self.stop.is_set():
             await asyncio.sleep(min(1.0, max(0.0, t - time.monotonic())))
 
-    def fault(name, **figures):
-        entry = {"fault": name, "t_s": round(time.monotonic() - run_started, 1), **figures}
-        report["faults"].append(entry)
+    async def sleep(self, seconds):
+        await self.sleep_until(time.monotonic() + seconds)
+
+    def fault(self, name, **figures):
+        entry = {"fault": name, "t_s": round(time.monotonic() - self.started, 1), **figures}
+        self.report["faults"].append(entry)
         log(f"fault {name}: {figures}")
 
+    @staticmethod
     async def in_thread(function, *a):
         return await asyncio.get_running_loop().run_in_executor(None, function, *a)
 
-    def scrape_metrics():
-        text = server.metrics()
-        scan.scan("metrics", text)
+    def scrape_metrics(self):
+        text = self.server.metrics()
+        self.scan.scan("metrics", text)
         return text
 
-    try:
-        report["server_start_s"] = round(await in_thread(server.start), 1)
-        load = asyncio.ensure_future(valid_load(client, [images["chelsea"], images["coffee"]],
-                                                args.concurrency, tally, stop))
-        await asyncio.sleep(min(10.0, args.duration_s * 0.05))  # warm-up
+    # -- the run
 
-        # 1. steady load + hostile corpus alongside
-        tally.phase = "steady"
-        report["rss_start_mb"] = sample_rss("steady start")
-        steady_end = run_started + args.duration_s * args.steady_fraction
-        cases = hostile_corpus(images)
+    async def run(self):
+        try:
+            self.report["server_start_s"] = round(await self.in_thread(self.server.start), 1)
+            load = asyncio.ensure_future(valid_load(self.client, [self.images["chelsea"], self.images["coffee"]],
+                                                    self.args.concurrency, self.tally, self.stop))
+            await asyncio.sleep(min(10.0, self.args.duration_s * 0.05))  # warm-up
+            await self.steady_with_hostile_corpus()
+            await self.llm_faults()
+            await self.llm_recovery()
+            await self.classifier_version_swap()
+            await self.stub_kill()
+            await self.restart()
+            observed = await self.steady_until_the_end(load)
+        finally:
+            self.stop.set()
+            try:
+                await self.client.close()
+            finally:  # the processes stop even if closing the client fails
+                self.server.stop()
+                self.fake.stop()
+        self.report.update(judge(Observed(**observed, server_logs=self.server.logs())))
+        self.report["wall_s"] = round(time.monotonic() - self.started, 1)
+        return self.report
+
+    async def steady_with_hostile_corpus(self):
+        """1. steady load, the hostile corpus sent alongside."""
+        self.tally.phase = "steady"
+        self.report["rss_start_mb"] = self.sample_rss("steady start")
+        steady_end = self.started + self.args.duration_s * self.args.steady_fraction
         corpus_started = time.monotonic()
-        results = await run_corpus(cases, server.http_url, server.grpc_url)
+        results = await run_corpus(hostile_corpus(self.images), self.server.http_url, self.server.grpc_url)
         for result in results:
-            scan.scan("hostile_answers", json.dumps(result))
-        report["hostile"] = corpus_summary(results)
-        report["hostile"]["seconds"] = round(time.monotonic() - corpus_started, 1)
-        report["hostile"]["server_ready_after"] = server.is_ready()
-        log(f"hostile corpus: {report['hostile']['clear']}/{report['hostile']['sent']} answered clearly")
+            self.scan.scan("hostile_answers", json.dumps(result))
+        hostile = self.report["hostile"] = corpus_summary(results)
+        hostile["seconds"] = round(time.monotonic() - corpus_started, 1)
+        hostile["server_ready_after"] = self.server.is_ready()
+        log(f"hostile corpus: {hostile['clear']}/{hostile['sent']} answered clearly")
         while time.monotonic() < steady_end:
-            await sleep_until(min(steady_end, time.monotonic() + max(10.0, args.duration_s / 20)))
-            sample_rss("steady")
-        report["rss_steady_end_mb"] = sample_rss("steady end")
+            await self.sleep_until(min(steady_end, time.monotonic() + max(10.0, self.args.duration_s / 20)))
+            self.sample_rss("steady")
+        self.report["rss_steady_end_mb"] = self.sample_rss("steady end")
 
-        # 2. LLM upstream faults, then recovery
-        # 401 first: a client error does not count towards the circuit, so the
-        # recovery below is measured after the faults that open it.
-        for mode, options in [("401", {}), ("refuse", {"duration_s": phase_s}), ("ok", {"latency_ms": 3000}),
+    async def llm_faults(self):
+        """2. the LLM upstream's faults, one phase each. 401 first: a client error does not count
+        towards the circuit, so the recovery is measured after the faults that open it."""
+        for mode, options in [("401", {}), ("refuse", {"duration_s": self.phase_s}), ("ok", {"latency_ms": 3000}),
                               ("429", {"retry_after": 1}), ("malformed", {})]:
-            tally.phase = f"llm_{mode}" if mode != "ok" else "llm_slow"
-            fake.mode(mode, **options)
-            await sleep_until(time.monotonic() + phase_s)
-            fault(tally.phase, seconds=round(phase_s, 1))
-        tally.phase = "llm_recovery"
-        fake.mode("ok", latency_ms=args.llm_latency_ms)
+            self.tally.phase = f"llm_{mode}" if mode != "ok" else "llm_slow"
+            self.fake.mode(mode, **options)
+            await self.sleep(self.phase_s)
+            self.fault(self.tally.phase, seconds=round(self.phase_s, 1))
+
+    async def llm_recovery(self):
+        """The upstream answers again: seconds to the first LLM answer and to the circuit closed."""
+        self.tally.phase = "llm_recovery"
+        self.fake.mode("ok", latency_ms=self.args.llm_latency_ms)
         recovered_at = time.monotonic()
         first_llm = circuit_closed = None
-        before = tally.by_phase.get("llm_recovery", {}).get("llm", 0)
+        before = self.tally.by_phase.get("llm_recovery", {}).get("llm", 0)
         while time.monotonic() - recovered_at < 60 and (first_llm is None or circuit_closed is None):
             await asyncio.sleep(0.25)
-            if first_llm is None and tally.by_phase.get("llm_recovery", {}).get("llm", 0) > before:
+            if first_llm is None and self.tally.by_phase.get("llm_recovery", {}).get("llm", 0) > before:
                 first_llm = time.monotonic() - recovered_at
-            if circuit_closed is None and circuit_state(await in_thread(scrape_metrics), "gpt-4o-mini") == 0:
+            if circuit_closed is None and circuit_state(await self.in_thread(self.scrape_metrics),
+                                                        "gpt-4o-mini") == 0:
                 circuit_closed = time.monotonic() - recovered_at
-        fault("llm_recovered", first_llm_answer_s=round(first_llm, 1) if first_llm is not None else None,
-              circuit_closed_s=round(circuit_closed, 1) if circuit_closed is not None else None,
-              circuit_cooldown_s=10)
+        self.fault("llm_recovered", first_llm_answer_s=round(first_llm, 1) if first_llm is not None else None,
+                   circuit_closed_s=round(circuit_closed, 1) if circuit_closed is not None else None,
+                   circuit_cooldown_s=10)
 
-        # 3. classifier version swap under load
-        tally.phase = "version_swap"
-        version_2 = server.repository / "classifier" / "2"
-        shutil.copytree(server.repository / "classifier" / "1", version_2)
+    async def classifier_version_swap(self):
+        """3. classifier version 2 loaded under load, then removed."""
+        self.tally.phase = "version_swap"
+        repository = self.server.repository / "classifier"
+        shutil.copytree(repository / "1", repository / "2")
         started = time.monotonic()
-        await in_thread(server.repository_call, "/v2/repository/models/classifier/load")
+        await self.in_thread(self.server.repository_call, "/v2/repository/models/classifier/load")
         swap_s = time.monotonic() - started
-        await sleep_until(time.monotonic() + phase_s / 2)
-        shutil.rmtree(version_2)
-        await in_thread(server.repository_call, "/v2/repository/models/classifier/load")
-        fault("classifier_version_swap", load_v2_s=round(swap_s, 1), back_to_v1=True)
-        await sleep_until(time.monotonic() + phase_s / 2)
+        await self.sleep(self.phase_s / 2)
+        shutil.rmtree(repository / "2")
+        await self.in_thread(self.server.repository_call, "/v2/repository/models/classifier/load")
+        self.fault("classifier_version_swap", load_v2_s=round(swap_s, 1), back_to_v1=True)
+        await self.sleep(self.phase_s / 2)
 
-        # 4. a Python stub process killed; the watchdog reloads the model
-        tally.phase = "stub_kill"
-        stub = server.stub_pid("preprocess_0_0")
+    async def stub_kill(self):
+        """4. the preprocess stub process SIGKILLed; the watchdog reloads the model."""
+        self.tally.phase = "stub_kill"
+        stub = self.server.stub_pid("preprocess_0_0")
         killed_at = time.monotonic()
         os.kill(stub, signal.SIGKILL)
-        recovered = None
+        recovered = await self.serving_again(stub, killed_at)
+        await self.sleep(2)
+        self.fault("preprocess_stub_sigkill", stub_pid=stub,
+                   serving_again_s=round(recovered, 1) if recovered else None,
+                   failed_requests=self.tally.row("stub_kill")["failed"])
+
+    async def serving_again(self, killed_stub, killed_at):
+        """Seconds from the kill until a new stub runs and an answer came after it; None after 60 s."""
         while time.monotonic() - killed_at < 60:
             await asyncio.sleep(0.2)
-            new_stub = await in_thread(server.stub_pid, "preprocess_0_0")
-            if new_stub not in (None, stub):
-                row = tally.row("stub_kill")
-                marker = row["llm"] + row["fallback"]
-                while time.monotonic() - killed_at < 60:  # the new stub serves
-                    await asyncio.sleep(0.1)
-                    if row["llm"] + row["fallback"] > marker:  # the same dict, updated as answers come
-                        recovered = time.monotonic() - killed_at
-                        break
-                break
-        await sleep_until(time.monotonic() + 2)
-        fault("preprocess_stub_sigkill", stub_pid=stub, serving_again_s=round(recovered, 1) if recovered else None,
-              failed_requests=tally.row("stub_kill")["failed"])
+            new_stub = await self.in_thread(self.server.stub_pid, "preprocess_0_0")
+            if new_stub in (None, killed_stub):
+                continue
+            row = self.tally.row("stub_kill")
+            marker = row["llm"] + row["fallback"]
+            while time.monotonic() - killed_at < 60:  # the new stub serves
+                await asyncio.sleep(0.1)
+                if row["llm"] + row["fallback"] > marker:  # the same dict, updated as answers come
+                    return time.monotonic() - killed_at
+            return None
+        return None
 
-        # 5. server restart; the clients retry connection failures and UNAVAILABLE
-        tally.phase = "restart"
-        report["rss_before_restart_mb"] = sample_rss("before restart")
+    async def restart(self):
+        """5. a server restart; the clients retry connection failures and UNAVAILABLE."""
+        self.tally.phase = "restart"
+        self.report["rss_before_restart_mb"] = self.sample_rss("before restart")
         started = time.monotonic()
-        await in_thread(server.stop)
+        await self.in_thread(self.server.stop)
         stopped_s = time.monotonic() - started
-        ready_s = await in_thread(server.start)
-        fault("server_restart", stop_s=round(stopped_s, 1), start_to_ready_s=round(ready_s, 1),
-              down_s=round(time.monotonic() - started, 1))
-        await sleep_until(time.monotonic() + phase_s)
+        ready_s = await self.in_thread(self.server.start)
+        self.fault("server_restart", stop_s=round(stopped_s, 1), start_to_ready_s=round(ready_s, 1),
+                   down_s=round(time.monotonic() - started, 1))
+        await self.sleep(self.phase_s)
 
-        # 6. steady until the end
-        tally.phase = "steady_after"
-        await sleep_until(deadline)
-        report["rss_end_mb"] = sample_rss("end")
-        stop.set()
+    async def steady_until_the_end(self, load):
+        """6. steady load until the deadline; then the load drains and the end state is read:
+        Observed's fields but the server logs (read once the server has stopped)."""
+        self.tally.phase = "steady_after"
+        await self.sleep_until(self.deadline)
+        self.report["rss_end_mb"] = self.sample_rss("end")
+        self.stop.set()
         await load
-        report["client_retries"] = client.retried
-        server_ready_at_end = server.is_ready()
+        self.report["client_retries"] = self.client.retried
+        server_ready_at_end = self.server.is_ready()
         try:
-            metrics = await in_thread(server.metrics)  # judge() checks and scans it
+            metrics = await self.in_thread(self.server.metrics)  # judge() checks and scans it
         except OSError as error:
             log(f"metrics at the end: {error}")
             metrics = None
         try:
-            upstream = fake.admin("stats")
+            upstream = self.fake.admin("stats")
         except OSError as error:
             log(f"fake upstream stats: {error}")
             upstream = None
-    finally:
-        stop.set()
-        try:
-            await client.close()
-        finally:  # the processes stop even if closing the client fails
-            server.stop()
-            fake.stop()
+        return dict(llm_key=self.llm_key, tally=self.tally, scan=self.scan, hostile=self.report["hostile"],
+                    faults=self.report["faults"], server_ready_at_end=server_ready_at_end, metrics=metrics,
+                    upstream=upstream)
 
-    report.update(judge(Observed(
-        llm_key=llm_key, tally=tally, scan=scan, hostile=report["hostile"], faults=report["faults"],
-        server_ready_at_end=server_ready_at_end, metrics=metrics, upstream=upstream, server_logs=server.logs())))
-    report["wall_s"] = round(time.monotonic() - run_started, 1)
-    return report
+
+async def soak(args, workdir):
+    return await SoakRun(args, workdir).run()
 
 
 # -- the verdict ----------------------------------------------------------------------
@@ -820,6 +892,7 @@ def main(argv=None):
     workdir.mkdir(parents=True, exist_ok=True)
     log(f"{args.duration_s:g}s at concurrency {args.concurrency}; logs in {workdir}")
     report = asyncio.run(soak(args, workdir))
+    report["host"] = host.describe()
     report["config"] = {k: str(v) for k, v in vars(args).items()}
     report["workdir"] = str(workdir)
     args.report.parent.mkdir(parents=True, exist_ok=True)

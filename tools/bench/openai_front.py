@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from serving.procfs import children
+from tools import host
 from tools.bench.clients import _drive, _inputs, _percentile
 from tools.bench.harness import FakeLLM, Triton, load_average
 from tools.bench.inputs import photo_jpegs, prompts
@@ -127,60 +128,72 @@ async def bench(triton, llm, args):
     questions = prompts(1_000_000)
     paths = Paths(triton.grpc_url, triton.openai_base_url, images, questions)
     front = front_pid(triton.process.pid)
-    results = {"target_added_p50_ms": TARGET_ADDED_P50_MS, "target_throughput_ratio": TARGET_THROUGHPUT_RATIO}
+    results = {"target_added_p50_ms": TARGET_ADDED_P50_MS, "target_throughput_ratio": TARGET_THROUGHPUT_RATIO,
+               "host": host.describe()}
     try:
         # Warm both paths (channels, connection pools, the models' first requests).
         for index in range(20):
             await paths.direct(index)
             await paths.front(index)
-
-        log(f"latency: {args.rounds} rounds of {args.block} requests per path, one at a time")
-        latencies, offset = await one_at_a_time(paths, args.block, args.rounds, 100)
-        latency = {name: {"p50_ms": _percentile(v, 50), "p99_ms": _percentile(v, 99), "mean_ms": statistics.fmean(v),
-                          "count": len(v)} for name, v in latencies.items()}
-        latency["added_p50_ms"] = latency["front"]["p50_ms"] - latency["direct"]["p50_ms"]
-        latency["added_p99_ms"] = latency["front"]["p99_ms"] - latency["direct"]["p99_ms"]
-        results["latency"] = latency
-        log(f"  direct p50 {latency['direct']['p50_ms']:.2f} ms, front p50 {latency['front']['p50_ms']:.2f} ms, "
-            f"added {latency['added_p50_ms']:.2f} ms")
-
-        sweep = {}
-        if args.concurrency:
-            saturating = args.concurrency
-        else:
-            for concurrency in args.sweep:
-                run = await _drive(paths.direct, concurrency, args.sweep_s, warmup_s=1.0)
-                sweep[concurrency] = run["throughput"]
-                log(f"  sweep (direct) c={concurrency}: {run['throughput']:.1f} req/s")
-            best = max(sweep.values())
-            saturating = min(c for c, t in sweep.items() if t >= 0.95 * best)
-        results["sweep_direct_throughput"] = sweep
+        results["latency"] = await latency_one_at_a_time(paths, args)
+        results["sweep_direct_throughput"], saturating = await saturating_concurrency(paths, args)
         results["saturating_concurrency"] = saturating
-
-        log(f"throughput at concurrency {saturating}: {args.windows} windows of {args.window_s:.0f} s per path")
-        windows = []
-        for turn in range(args.windows):
-            for name in (("direct", "front") if turn % 2 == 0 else ("front", "direct")):
-                cpu_before = process_cpu_s(front)
-                run = await _drive(getattr(paths, name), saturating, args.window_s, warmup_s=2.0)
-                cpu_s = process_cpu_s(front) - cpu_before
-                windows.append({"path": name, "throughput": run["throughput"], "p50_ms": run["p50_ms"],
-                                "p99_ms": run["p99_ms"], "errors": run["errors"],
-                                "front_cpu_ms_per_request": cpu_s * 1e3 / max(run["finished_all"], 1)
-                                if name == "front" else None})
-                log(f"  {name}: {run['throughput']:.1f} req/s, p50 {run['p50_ms']:.0f} ms, errors {run['errors']}")
-        total = {name: sum(w["throughput"] for w in windows if w["path"] == name) for name in ("direct", "front")}
-        results["windows"] = windows
-        results["throughput_ratio"] = total["front"] / total["direct"] if total["direct"] else float("nan")
-        results["front_cpu_ms_per_request"] = statistics.fmean(
-            w["front_cpu_ms_per_request"] for w in windows if w["path"] == "front")
-        log(f"  throughput ratio front/direct: {results['throughput_ratio']:.3f}; front CPU "
-            f"{results['front_cpu_ms_per_request']:.2f} ms per request")
+        results.update(await throughput_windows(paths, args, saturating, front))
     finally:
         await paths.close()
     results["met"] = {"added_p50": results["latency"]["added_p50_ms"] <= TARGET_ADDED_P50_MS,
                       "throughput": results["throughput_ratio"] >= TARGET_THROUGHPUT_RATIO}
     return results
+
+
+async def latency_one_at_a_time(paths, args):
+    log(f"latency: {args.rounds} rounds of {args.block} requests per path, one at a time")
+    latencies, _ = await one_at_a_time(paths, args.block, args.rounds, 100)
+    latency = {name: {"p50_ms": _percentile(v, 50), "p99_ms": _percentile(v, 99), "mean_ms": statistics.fmean(v),
+                      "count": len(v)} for name, v in latencies.items()}
+    latency["added_p50_ms"] = latency["front"]["p50_ms"] - latency["direct"]["p50_ms"]
+    latency["added_p99_ms"] = latency["front"]["p99_ms"] - latency["direct"]["p99_ms"]
+    log(f"  direct p50 {latency['direct']['p50_ms']:.2f} ms, front p50 {latency['front']['p50_ms']:.2f} ms, "
+        f"added {latency['added_p50_ms']:.2f} ms")
+    return latency
+
+
+async def saturating_concurrency(paths, args):
+    """-> (sweep, concurrency): the direct path's throughput per concurrency of a short sweep, and the
+    smallest within 5 % of the best (or --concurrency, without a sweep)."""
+    if args.concurrency:
+        return {}, args.concurrency
+    sweep = {}
+    for concurrency in args.sweep:
+        run = await _drive(paths.direct, concurrency, args.sweep_s, warmup_s=1.0)
+        sweep[concurrency] = run["throughput"]
+        log(f"  sweep (direct) c={concurrency}: {run['throughput']:.1f} req/s")
+    best = max(sweep.values())
+    return sweep, min(c for c, t in sweep.items() if t >= 0.95 * best)
+
+
+async def throughput_windows(paths, args, saturating, front):
+    """Alternating timed windows of each path at `saturating`, with the front's CPU per request."""
+    log(f"throughput at concurrency {saturating}: {args.windows} windows of {args.window_s:.0f} s per path")
+    windows = []
+    for turn in range(args.windows):
+        for name in (("direct", "front") if turn % 2 == 0 else ("front", "direct")):
+            cpu_before = process_cpu_s(front)
+            run = await _drive(getattr(paths, name), saturating, args.window_s, warmup_s=2.0)
+            cpu_s = process_cpu_s(front) - cpu_before
+            windows.append({"path": name, "throughput": run["throughput"], "p50_ms": run["p50_ms"],
+                            "p99_ms": run["p99_ms"], "errors": run["errors"],
+                            "front_cpu_ms_per_request": cpu_s * 1e3 / max(run["finished_all"], 1)
+                            if name == "front" else None})
+            log(f"  {name}: {run['throughput']:.1f} req/s, p50 {run['p50_ms']:.0f} ms, errors {run['errors']}")
+    total = {name: sum(w["throughput"] for w in windows if w["path"] == name) for name in ("direct", "front")}
+    figures = {"windows": windows,
+               "throughput_ratio": total["front"] / total["direct"] if total["direct"] else float("nan"),
+               "front_cpu_ms_per_request": statistics.fmean(
+                   w["front_cpu_ms_per_request"] for w in windows if w["path"] == "front")}
+    log(f"  throughput ratio front/direct: {figures['throughput_ratio']:.3f}; front CPU "
+        f"{figures['front_cpu_ms_per_request']:.2f} ms per request")
+    return figures
 
 
 def markdown(results):
@@ -213,7 +226,8 @@ fake LLM at 0 ms, side by side in one run: one request at a time in alternating 
 {table}
 
 The front spent {results["front_cpu_ms_per_request"]:.1f} ms of CPU per request (JSON, base64,
-HTTP and gRPC), on the same cores as Triton, the fake LLM and the load generator (load average
+HTTP and gRPC), on the same cores as Triton, the fake LLM and the load generator (CPU instruction
+sets: {host.isa_text(results.get("host"))}; load average
 {results["load_average_before"][0]:.1f} before, {results["load_average_after"][0]:.1f} after). Single
 windows moved between {min(everything):.0f} and {max(everything):.0f} req/s, so the throughput
 ratio is only as good as the alternation; the one-at-a-time p50s are steadier.

@@ -15,6 +15,7 @@ import math
 import pathlib
 import statistics
 
+from tools import host
 from tools.bench import sections as extra_sections
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -158,6 +159,7 @@ def targets(results):
 # -- plots ------------------------------------------------------------------------------------
 
 def _plots(results, plots_dir):
+    """Write the report's plots; -> {name: path} of those written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -167,73 +169,78 @@ def _plots(results, plots_dir):
     sweeps = results["sweeps"]
     for name, title in (("classify", "classify (IMAGE -> LABELS, SCORES)"),
                         ("classify_and_describe", f"classify_and_describe (LLM {sweeps['ensemble_latency_ms']} ms)")):
-        rows = sweeps[name]
-        if not rows:
-            continue
-        fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(10, 3.8))
-        conc = [r["concurrency"] for r in rows]
-        ax_t.plot(conc, [r["throughput"] for r in rows], "o-")
-        ax_t.set_xlabel("concurrency")
-        ax_t.set_ylabel("throughput (infer/s)")
-        ax_t.set_xscale("log", base=2)
-        ax_t.set_ylim(bottom=0)
-        ax_t.grid(alpha=0.3)
-        for key, style in (("p50_ms", "o-"), ("p99_ms", "s--")):
-            ax_l.plot(conc, [r[key] for r in rows], style, label=key.replace("_ms", ""))
-        ax_l.set_xlabel("concurrency")
-        ax_l.set_ylabel("latency (ms)")
-        ax_l.set_xscale("log", base=2)
-        for ax in (ax_t, ax_l):
-            ax.set_xticks(conc)
-            ax.set_xticklabels([str(c) for c in conc])
-            ax.minorticks_off()
-        ax_l.set_ylim(bottom=0)
-        ax_l.legend()
-        ax_l.grid(alpha=0.3)
-        fig.suptitle(f"{title}: perf_analyzer concurrency sweep")
-        fig.tight_layout()
-        path = plots_dir / f"sweep_{name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written[name] = path
-
+        if sweeps[name]:
+            written[name] = _save(plt, _sweep_plot(plt, sweeps[name], title), plots_dir / f"sweep_{name}.png")
     stages = where_time_goes(results)
     if stages:
-        fig, ax = plt.subplots(figsize=(8, 3.2))
-        left = 0.0
-        for label, value, color in stages["segments"]:
-            ax.barh([0], [value], left=left, color=color, label=f"{label} {value:.0f} ms")
-            left += value
-        ax.set_yticks([])
-        ax.set_xlabel("ms per request (server-side average, perf_analyzer run of figure 1)")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
-        ax.set_title(f"classify at concurrency {stages['concurrency']}: where the time goes")
-        fig.tight_layout()
-        path = plots_dir / "where_time_goes.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written["stages"] = path
-
+        written["stages"] = _save(plt, _stages_plot(plt, stages), plots_dir / "where_time_goes.png")
     if results.get("tuning"):
-        rows = results["tuning"]
-        concs = sorted({c for row in rows for c in row["results"]})
-        fig, ax = plt.subplots(figsize=(9, 3.8))
-        width = 0.8 / len(concs)
-        for i, c in enumerate(concs):
-            ax.bar([x + i * width for x in range(len(rows))], [row["results"][c]["throughput"] for row in rows],
-                   width, label=f"concurrency {c}")
-        ax.set_xticks([x + width * (len(concs) - 1) / 2 for x in range(len(rows))])
-        ax.set_xticklabels([row["name"] for row in rows], rotation=15)
-        ax.set_ylabel("classify throughput (img/s)")
-        ax.legend()
-        ax.grid(alpha=0.3, axis="y")
-        ax.set_title("classifier config alternatives (perf_analyzer on classify)")
-        fig.tight_layout()
-        path = plots_dir / "tuning_classifier.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written["tuning"] = path
+        written["tuning"] = _save(plt, _tuning_plot(plt, results["tuning"]), plots_dir / "tuning_classifier.png")
     return written
+
+
+def _save(plt, fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _sweep_plot(plt, rows, title):
+    """Throughput and latency against concurrency, side by side."""
+    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(10, 3.8))
+    conc = [r["concurrency"] for r in rows]
+    ax_t.plot(conc, [r["throughput"] for r in rows], "o-")
+    ax_t.set_xlabel("concurrency")
+    ax_t.set_ylabel("throughput (infer/s)")
+    ax_t.set_xscale("log", base=2)
+    ax_t.set_ylim(bottom=0)
+    ax_t.grid(alpha=0.3)
+    for key, style in (("p50_ms", "o-"), ("p99_ms", "s--")):
+        ax_l.plot(conc, [r[key] for r in rows], style, label=key.replace("_ms", ""))
+    ax_l.set_xlabel("concurrency")
+    ax_l.set_ylabel("latency (ms)")
+    ax_l.set_xscale("log", base=2)
+    for ax in (ax_t, ax_l):
+        ax.set_xticks(conc)
+        ax.set_xticklabels([str(c) for c in conc])
+        ax.minorticks_off()
+    ax_l.set_ylim(bottom=0)
+    ax_l.legend()
+    ax_l.grid(alpha=0.3)
+    fig.suptitle(f"{title}: perf_analyzer concurrency sweep")
+    return fig
+
+
+def _stages_plot(plt, stages):
+    """One stacked bar: where_time_goes()'s segments."""
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    left = 0.0
+    for label, value, color in stages["segments"]:
+        ax.barh([0], [value], left=left, color=color, label=f"{label} {value:.0f} ms")
+        left += value
+    ax.set_yticks([])
+    ax.set_xlabel("ms per request (server-side average, perf_analyzer run of figure 1)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
+    ax.set_title(f"classify at concurrency {stages['concurrency']}: where the time goes")
+    return fig
+
+
+def _tuning_plot(plt, rows):
+    """classify throughput per classifier config, one bar per concurrency."""
+    concs = sorted({c for row in rows for c in row["results"]})
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(concs)
+    for i, c in enumerate(concs):
+        ax.bar([x + i * width for x in range(len(rows))], [row["results"][c]["throughput"] for row in rows],
+               width, label=f"concurrency {c}")
+    ax.set_xticks([x + width * (len(concs) - 1) / 2 for x in range(len(rows))])
+    ax.set_xticklabels([row["name"] for row in rows], rotation=15)
+    ax.set_ylabel("classify throughput (img/s)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title("classifier config alternatives (perf_analyzer on classify)")
+    return fig
 
 
 def where_time_goes(results):
@@ -313,14 +320,40 @@ def _rel(path, out_path):
 def write(results, out_path, plots_dir):
     """Write the report and its plots from `results` (a loaded results file); return the headline lines."""
     out_path = pathlib.Path(out_path)
-    plots_dir = pathlib.Path(plots_dir)
     rows = targets(results)
-    plots = _plots(results, plots_dir)
+    plots = _plots(results, pathlib.Path(plots_dir))
     meta = results["meta"]
-    params = meta["params"]
-    versions = meta.get("versions", {})
     lines = []
     add = lines.append
+    _header(meta, out_path, add)
+    _targets_section(rows, add)
+    cpu_line = ensemble_cpu_line(results)
+    add(f"\n{cpu_line}\n")
+
+    _limits_section(results, add, plots, out_path)
+    _hiding_section(results, add)
+    _describe_section(results, add)
+    _patterns_section(results, add)
+    _sweeps_section(results, add, plots, out_path)
+    _tuning_section(results, add, plots, out_path)
+    _extra_sections(results, add)
+    _commands_section(meta, add)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text("\n".join(lines).rstrip() + "\n")
+
+    head = ["", f"bench: targets ({meta['mode']}, {meta.get('results_file', '')})"]
+    for row in rows:
+        value, bound = row.cells()
+        head.append(f"  {row.name}: {value}  [target {bound}: {'met' if row.met else 'NOT met'}]")
+    head.append(f"  {cpu_line}")
+    return "\n".join(head)
+
+
+def _header(meta, out_path, add):
+    """The title, where the report comes from, and the run's machine, load, server and load generator."""
+    params = meta["params"]
+    versions = meta.get("versions", {})
     load_before = " / ".join(f"{v:.1f}" for v in meta["load_before"])
     load_after = " / ".join(f"{v:.1f}" for v in meta.get("load_after", (float("nan"),) * 3))
     add("# Benchmarks\n")
@@ -331,6 +364,7 @@ def write(results, out_path, plots_dir):
         "and how to read them: "
         f"[{METHOD_DOC}]({METHOD_DOC}).\n")
     add(f"- Machine: {meta['machine']}.")
+    add(f"- CPU instruction sets (int8 speed and numerics depend on them): {host.isa_text(meta.get('host'))}.")
     add(f"- Load: 1/5/15-min load average {load_before} before the run and {load_after} after; "
         f"{meta['other_servers']} tritonserver process(es) not started by this run were running.")
     add(f"- Server: Triton {versions.get('TRITON_VERSION', '?')}, `scripts/serve.sh` on a temp copy of "
@@ -343,6 +377,8 @@ def write(results, out_path, plots_dir):
     add(f"- The whole run took {meta['duration_s']:.0f} s. Reproduce: `make build perf-analyzer && "
         f"{meta['command']}`.\n")
 
+
+def _targets_section(rows, add):
     add("## Targets\n")
     add("Computed from this run's results file; ratios are medians over the turns of figure 1, each turn "
         "measuring both sides back to back.\n")
@@ -351,33 +387,17 @@ def write(results, out_path, plots_dir):
     for row in rows:
         value, bound = row.cells()
         add(f"| {row.name} | {value} | {bound} | {_mark(row.met)} | {row.detail} |")
-    cpu_line = ensemble_cpu_line(results)
-    add(f"\n{cpu_line}\n")
 
-    _limits_section(results, add, plots, out_path)
-    _hiding_section(results, add)
-    _describe_section(results, add)
-    _patterns_section(results, add)
-    _sweeps_section(results, add, plots, out_path)
-    _tuning_section(results, add, plots, out_path)
-    _extra_sections(results, add)
 
+def _commands_section(meta, add):
+    params = meta["params"]
     add("## perf_analyzer command lines\n")
     add(f"`<C>` is the concurrency, `<W>` the window: {params['window_ms']} ms, or three times the expected "
         f"latency where that is longer, up to {params.get('window_cap_ms', 30000) / 1000:g} s.\n")
     add("```")
-    lines.extend(meta.get("perf_analyzer_commands", []))
+    for command in meta.get("perf_analyzer_commands", []):
+        add(command)
     add("```")
-
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text("\n".join(lines).rstrip() + "\n")
-
-    head = ["", f"bench: targets ({meta['mode']}, {meta.get('results_file', '')})"]
-    for row in rows:
-        value, bound = row.cells()
-        head.append(f"  {row.name}: {value}  [target {bound}: {'met' if row.met else 'NOT met'}]")
-    head.append(f"  {cpu_line}")
-    return "\n".join(head)
 
 
 def ensemble_cpu_line(results):
@@ -408,6 +428,15 @@ def _limits_section(results, add, plots, out_path):
         f"{', '.join(map(str, batches))}; a runtime's limit is its best layout and batch size. The server's "
         f"classifier runs {names.get(fig['served_runtime'], fig['served_runtime'])}. {len(fig['rows'])} turn(s)"
         f"{order}.\n")
+    _limits_turns_table(fig, names, add)
+    _inprocess_rates_table(limits, names, batches, add)
+    _latency_c1_table(results, add)
+    _cpu_by_process(limits, add)
+    _where_time_goes_section(results, add, plots, out_path)
+
+
+def _limits_turns_table(fig, names, add):
+    runtimes = list(names)
     add("| turn | `classify` img/s | ensemble req/s | " +
         " | ".join(f"{names[r]} limit img/s (layout, batch)" for r in runtimes) +
         " | ensemble / PyTorch | classify / own runtime | ensemble / classify |")
@@ -420,11 +449,14 @@ def _limits_section(results, add, plots, out_path):
             f"{_f(row['ensemble_vs_classify'], 2)} |")
     add("")
 
+
+def _inprocess_rates_table(limits, names, batches, add):
+    first = limits["turns"][0]["inprocess"]
     add("In-process rates, img/s (median over the turns): decode + preprocess + forward at each batch size, "
         "the forward pass alone at the best batch size, and the decode + preprocess alone.\n")
     add("| runtime | layout | " + " | ".join(f"batch {b}" for b in batches) + " | forward only | decode only |")
     add("| --- | --- |" + " --- |" * len(batches) + " --- | --- |")
-    for runtime in runtimes:
+    for runtime in names:
         for index, row in enumerate(first[runtime]["layouts"]):
             same = [turn["inprocess"][runtime]["layouts"][index] for turn in limits["turns"]]
             cells = [_f(_median([r["e2e"].get(b, float("nan")) for r in same])) for b in batches]
@@ -433,6 +465,8 @@ def _limits_section(results, add, plots, out_path):
             add(f"| {names[runtime]} | {row['name']} | " + " | ".join(cells) + f" | {_f(forward)} | {_f(decode)} |")
     add("")
 
+
+def _latency_c1_table(results, add):
     add("### p50 at concurrency 1\n")
     baseline = results.get("baseline", {})
     if baseline.get("missing") or not baseline:
@@ -444,12 +478,15 @@ def _limits_section(results, add, plots, out_path):
     add("| model | this run p50 ms | p99 ms | baseline p50 ms | ratio |")
     add("| --- | --- | --- | --- | --- |")
     for model in ("classify", "classify_and_describe"):
-        run = limits["latency_c1"][model]
+        run = results["limits"]["latency_c1"][model]
         then = baseline.get("p50_c1_ms", {}).get(model)
         add(f"| {model} | {_f(run['p50_ms'])} | {_f(run['p99_ms'])} | {_f(then)} | "
             f"{_f(run['p50_ms'] / then, 2) if then else 'n/a'} |")
     add("")
 
+
+def _cpu_by_process(limits, add):
+    c = limits["concurrency"]
     add("### CPU per request, by process\n")
     add("ms of CPU per request over each perf_analyzer run of figure 1 (median over the turns), from `/proc`: "
         "the load generator is perf_analyzer, the whole machine is every process on it.\n")
@@ -459,6 +496,8 @@ def _limits_section(results, add, plots, out_path):
         add(line)
     add("")
 
+
+def _where_time_goes_section(results, add, plots, out_path):
     stages = where_time_goes(results)
     if stages:
         add("### Where the time goes\n")

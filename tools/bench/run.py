@@ -19,7 +19,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import re
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from tools import model_config
+from tools import host, model_config
 from tools.bench import clients, harness, inprocess, inputs, report, sections
 
 REPO = harness.REPO
@@ -57,23 +56,6 @@ MODES = {
 
 def log(message):
     print(f"bench: {message}", file=sys.stderr, flush=True)
-
-
-def machine():
-    cpu = platform.processor() or ""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_kb = int(re.search(r"MemTotal:\s+(\d+)", pathlib.Path("/proc/meminfo").read_text()).group(1))
-        mem = f"{mem_kb / 1024 / 1024:.0f} GiB RAM"
-    except (OSError, AttributeError):
-        mem = "RAM unknown"
-    return f"{cpu}, {os.cpu_count()} cores, {mem}, {platform.system()} {platform.release()}, no GPU used"
 
 
 def git_commit():
@@ -452,7 +434,7 @@ def measure_sections(ctx):
     return out
 
 
-def main(argv=None):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=sorted(MODES), default="quick")
     parser.add_argument("--out", type=pathlib.Path, help="the report (default: docs/benchmarks.md for full, "
@@ -463,26 +445,25 @@ def main(argv=None):
     parser.add_argument("--baseline", type=pathlib.Path, default=BASELINE,
                         help="an earlier run's results file: 'today's' p50 at concurrency 1 for the targets")
     parser.add_argument("--keep-workdir", action="store_true")
-    args = parser.parse_args(argv)
-    if not harness.PERF_ANALYZER.exists():
-        sys.exit(f"bench: {harness.PERF_ANALYZER} is missing; run `make perf-analyzer`")
+    return parser.parse_args(argv)
 
-    mode, params = args.mode, MODES[args.mode]
-    default_out, default_plots, default_results = default_paths(mode)
-    out, plots, results_path = args.out or default_out, args.plots or default_plots, args.results or default_results
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{mode}_"))
-    ctx = Context(mode, workdir, params)
-    started = time.monotonic()
-    meta = {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": machine(), "cores": os.cpu_count(), "commit": git_commit(),
+
+def run_meta(mode, params, results_path, out):
+    """What the report says about the run before it measures: when, where, on what, with what."""
+    machine = host.describe()
+    return {"mode": mode, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{host.summary(machine)}, no GPU used", "host": machine, "cores": os.cpu_count(),
+            "commit": git_commit(),
             "load_before": harness.load_average(), "other_servers": other_tritonservers(), "params": params,
             "command": {"full": "make bench", "quick": "make bench-quick"}.get(
                 mode, f"python -m tools.bench.run --mode {mode}"),
             "results_file": _display_path(results_path), "report_file": _display_path(out),
             "versions": {name: report.version(name) for name in ("TRITON_VERSION", "PERF_ANALYZER_TRITONCLIENT_VERSION",
                                                                   "TORCH_VERSION")}}
-    log(f"mode {mode}, work dir {workdir}, load average {meta['load_before'][0]:.1f}, "
-        f"{meta['other_servers']} other tritonserver(s) running")
+
+
+def prepare_inputs(ctx, workdir):
+    """The photos (as bytes and as files), the prompts, perf_analyzer's input data and the in-process layouts."""
     jpegs = inputs.photo_jpegs()
     ctx.images = [jpegs[name] for name in inputs.PHOTOS]
     ctx.jpeg_paths = []
@@ -494,31 +475,56 @@ def main(argv=None):
     ctx.input_data = inputs.write_input_data(workdir, jpegs)
     ctx.layouts = inprocess.default_layouts()
 
+
+def start_server(ctx, meta):
+    """The run's tritonserver, with the backend's own LLM cache switched off (every request carries a
+    distinct prompt: each request is one real upstream call); notes its classifier config and runtimes."""
+    ctx.triton = harness.Triton(ctx.workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
+    meta["server_startup_s"] = ctx.triton.startup_s
+    shipped_config = model_config.read(ctx.triton.repository / "classifier/config.pbtxt")
+    meta["classifier_config"] = describe_classifier_config(shipped_config)
+    ctx.policy_max_batch = max(shipped_config.dynamic_batching.preferred_batch_size, default=1)
+    meta["policy_max_batch"] = ctx.policy_max_batch
+    ctx.served_runtime = inprocess.served_runtime(ctx.triton.repository)
+    ctx.runtimes = inprocess.available_runtimes(ctx.triton.repository)
+    meta["layouts"] = [f"{processes}x{threads}" for processes, threads in ctx.layouts]
+    log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}; classifier runtime "
+        f"{ctx.served_runtime}; in-process runtimes {', '.join(ctx.runtimes)}")
+
+
+def measure_all(ctx, params, results):
+    results["limits"] = measure_limits(ctx, params)
+    results["hiding"] = measure_latency_hiding(ctx, params)
+    results["describe"] = measure_describe_overhead(ctx, params)
+    results["patterns"] = measure_patterns(ctx, params)
+    results["sweeps"] = measure_sweeps(ctx, params)
+    results["tuning"] = measure_tuning(ctx, params) if params["tuning"] else []
+    results["accuracy"] = measure_accuracy(ctx, params)
+    results["sections"] = measure_sections(ctx)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not harness.PERF_ANALYZER.exists():
+        sys.exit(f"bench: {harness.PERF_ANALYZER} is missing; run `make perf-analyzer`")
+
+    mode, params = args.mode, MODES[args.mode]
+    default_out, default_plots, default_results = default_paths(mode)
+    out, plots, results_path = args.out or default_out, args.plots or default_plots, args.results or default_results
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"bench_{mode}_"))
+    ctx = Context(mode, workdir, params)
+    started = time.monotonic()
+    meta = run_meta(mode, params, results_path, out)
+    log(f"mode {mode}, work dir {workdir}, load average {meta['load_before'][0]:.1f}, "
+        f"{meta['other_servers']} other tritonserver(s) running")
+    prepare_inputs(ctx, workdir)
+
     ctx.llm = harness.FakeLLM(workdir)
     ctx.triton = None
     results = {"meta": meta, "baseline": baseline_summary(args.baseline)}
     try:
-        # The backend's own LLM cache is switched off, and every request carries a
-        # distinct prompt: each request is one real upstream call.
-        ctx.triton = harness.Triton(workdir, ctx.llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false"})
-        meta["server_startup_s"] = ctx.triton.startup_s
-        shipped_config = model_config.read(ctx.triton.repository / "classifier/config.pbtxt")
-        meta["classifier_config"] = describe_classifier_config(shipped_config)
-        ctx.policy_max_batch = max(shipped_config.dynamic_batching.preferred_batch_size, default=1)
-        meta["policy_max_batch"] = ctx.policy_max_batch
-        ctx.served_runtime = inprocess.served_runtime(ctx.triton.repository)
-        ctx.runtimes = inprocess.available_runtimes(ctx.triton.repository)
-        meta["layouts"] = [f"{processes}x{threads}" for processes, threads in ctx.layouts]
-        log(f"tritonserver ready in {ctx.triton.startup_s:.0f}s on {ctx.triton.http_url}; classifier runtime "
-            f"{ctx.served_runtime}; in-process runtimes {', '.join(ctx.runtimes)}")
-        results["limits"] = measure_limits(ctx, params)
-        results["hiding"] = measure_latency_hiding(ctx, params)
-        results["describe"] = measure_describe_overhead(ctx, params)
-        results["patterns"] = measure_patterns(ctx, params)
-        results["sweeps"] = measure_sweeps(ctx, params)
-        results["tuning"] = measure_tuning(ctx, params) if params["tuning"] else []
-        results["accuracy"] = measure_accuracy(ctx, params)
-        results["sections"] = measure_sections(ctx)
+        start_server(ctx, meta)
+        measure_all(ctx, params, results)
     finally:
         if ctx.triton is not None:
             ctx.triton.stop()

@@ -28,6 +28,7 @@ import uuid
 
 import numpy as np
 
+from tools import host
 from tools.bench.harness import BENCH_API_KEY, PERF_ANALYZER, FakeLLM, Triton
 from tools.bench.inputs import photo_jpegs, write_input_data
 
@@ -217,7 +218,7 @@ def measure_on(server, llm, jpegs, workdir, mode):
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.machine(),
-               "cpus": os.cpu_count(), "mode": mode,
+               "cpus": os.cpu_count(), "host": host.describe(), "mode": mode,
                "upstream": {"latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": ANSWER_WORDS}}
     # Short answers while 1 and 2 wait for each stream's end between measurements.
     llm.admin("mode", {"mode": "ok", "latency_ms": LLM_LATENCY_MS, "chunk_ms": CHUNK_MS, "answer_words": 3})
@@ -289,7 +290,8 @@ def section_markdown(r, command):
     ok = lambda passed: "met" if passed else "**not met**"  # noqa: E731
     lines = [
         "## Streaming (classify_and_describe_stream, describe_stream)", "",
-        f"`{command}`, {r['when']}, {r['cpus']} CPUs ({r['mode']}). Upstream: the fake, "
+        f"`{command}`, {r['when']}, {r['cpus']} CPUs ({r['mode']}); CPU instruction sets: "
+        f"{host.isa_text(r.get('host'))}. Upstream: the fake, "
         f"{LLM_LATENCY_MS} ms to the first word, then a word every {CHUNK_MS} ms ({ANSWER_WORDS} words). "
         "Client, server and upstream share the machine; each figure compares two measurements "
         "taken alternately in one run; the in-model answer cache is off.", "",
