@@ -35,8 +35,7 @@ from describer import NO_KEY_HELP, Cancelled, Describer, Job, make_client
 from metrics import Metrics
 from prompting import PromptError, read_labels, read_prompt
 from scrubbing import Scrubber
-from settings import ConfigError, InvalidOverride, RequestModels, parse_settings
-from streaming import describe_stream
+from settings import ConfigError, InvalidOverride, Overrides, RequestModels, parse_settings
 
 # Without an API key a local endpoint still wants some bearer string.
 NO_KEY_PLACEHOLDER = "no-key-required"
@@ -239,7 +238,7 @@ class TritonPythonModel:
             if cancelled():  # the client left while its photo was classified: no LLM call
                 self.metrics.request_done(None, "cancelled", None)
                 raise Cancelled()
-            result = await describe_stream(self.describer, job, emit, stop)
+            result = await self.describer.describe(job, stop, emit)
             await out.drain()
             if result.outcome == "error":  # on_failure=error
                 response = _error_response(f"the LLM upstream could not answer ({result.usage.fallback_reason})",
@@ -343,7 +342,7 @@ class TritonPythonModel:
                           overrides)
                 for row in range(labels.shape[0])]
         # Last, so that a request refused for another reason takes no place under the cap.
-        self.request_models.admit(overrides[0])
+        self.request_models.admit(overrides.model)
         return jobs
 
     def _photo_job(self, request):
@@ -356,7 +355,7 @@ class TritonPythonModel:
         prompt = prompts.reshape(-1)[0] if prompts is not None else None
         read_prompt(prompt, self.settings.max_prompt_chars)
         overrides = self.settings.resolve_overrides(json.loads(request.parameters() or "{}"))
-        self.request_models.admit(overrides[0])
+        self.request_models.admit(overrides.model)
         return _PhotoJob(_photo(image), prompt, overrides)
 
     def _job(self, labels, scores, raw_prompt, overrides):
@@ -364,10 +363,8 @@ class TritonPythonModel:
         if not all(math.isfinite(x) for x in row_scores):
             raise InvalidInput("SCORES must be finite")
         prompt = read_prompt(raw_prompt, self.settings.max_prompt_chars)
-        model, temperature, max_tokens, timeout_s = overrides
         return Job(labels=read_labels(labels, self.settings), scores=row_scores,
-                   prompt=prompt or self.settings.default_prompt,
-                   model=model, temperature=temperature, max_tokens=max_tokens, timeout_s=timeout_s)
+                   prompt=prompt or self.settings.default_prompt, overrides=overrides)
 
     def _send_error(self, request, message, code):
         request.get_response_sender().send(
@@ -458,7 +455,7 @@ def _poll_cancelled(watches):
 class _PhotoJob:
     image: np.ndarray  # the IMAGE input, copied out of the request
     prompt: object     # the raw PROMPT element, or None
-    overrides: tuple   # Settings.resolve_overrides()
+    overrides: Overrides
 
 
 class _ChunkLost(Exception):

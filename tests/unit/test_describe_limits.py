@@ -42,7 +42,7 @@ def test_read_prompt_length_counts_characters_and_names_the_limit():
 
 def test_max_tokens_above_the_limit_names_max_tokens_limit():
     settings = parse_settings({"max_tokens": "64", "max_tokens_limit": "100"}, environ={})
-    assert settings.resolve_overrides({"max_tokens": 100})[2] == 100
+    assert settings.resolve_overrides({"max_tokens": 100}).max_tokens == 100
     with pytest.raises(InvalidOverride) as error:
         settings.resolve_overrides({"max_tokens": 101})
     assert "max_tokens_limit" in str(error.value) and "100" in str(error.value)

@@ -647,17 +647,18 @@ def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeyp
     assert len(big) > front_app.OFFLOAD_BYTES > len(small)
 
 
-def test_finish_reason_is_length_when_usage_shows_the_clients_max_tokens_were_used():
-    cut = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "attempts": 1}
-    assert responses.finish_reason("llm", cut, 5) == "length"
-    assert responses.finish_reason("llm", cut, 6) == "stop"
-    assert responses.finish_reason("llm", cut, None) == "stop", "the server's own limit is not known here"
-    assert responses.finish_reason("llm", {**cut, "cached": True}, 5) == "stop"
-    assert responses.finish_reason("llm", {**cut, "attempts": 2}, 5) == "stop", "retried attempts add up"
-    assert responses.finish_reason("fallback", cut, 5) == "stop"
+def test_finish_reason_is_the_one_the_describe_step_passed_on_in_usage():
+    """USAGE.finish_reason is the upstream's own (backends/openai_describe: accounting.Usage)."""
+    cut = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "attempts": 1, "finish_reason": "length"}
+    assert responses.finish_reason(cut) == "length"
+    assert responses.finish_reason({**cut, "completion_tokens": 1, "attempts": 2, "cached": True}) == "length", \
+        "a fact, not a guess from the token counts"
+    assert responses.finish_reason({**cut, "finish_reason": "stop"}) == "stop"
+    assert responses.finish_reason({**cut, "finish_reason": None}) == "stop", "a fallback or a stream cut short"
+    assert responses.finish_reason({}) == responses.finish_reason(None) == "stop"
     answer = Answer(labels=["a"], scores=[0.5], description="a b c d e", source="llm", usage=cut)
-    assert responses.completion("c", "m", answer, max_tokens=5)["choices"][0]["finish_reason"] == "length"
-    last = events(responses.ChunkWriter("c", "m", False).last("llm", cut, 5))
+    assert responses.completion("c", "m", answer)["choices"][0]["finish_reason"] == "length"
+    last = events(responses.ChunkWriter("c", "m", False).last("llm", cut))
     assert json.loads(last[0])["choices"][0]["finish_reason"] == "length"
 
 
