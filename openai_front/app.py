@@ -209,8 +209,7 @@ async def chat_completions(request):
             return response
         answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, parsed.parameters)
         usage, status = answer.usage, 200
-        return web.json_response(responses.completion(responses.completion_id(), model.id, answer,
-                                                      max_tokens=parsed.parameters.get("max_tokens")))
+        return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
     except FrontError as error:
         status = error.status
         if status >= 500:
@@ -261,7 +260,7 @@ async def _stream(request, model, parsed, image):
                 await response.write(responses.sse(error.body()))
                 await response.write_eof()
                 return response, None, error.status
-            await response.write(chunks.last(answer.source, answer.usage, parsed.parameters.get("max_tokens")))
+            await response.write(chunks.last(answer.source, answer.usage))
             await response.write_eof()
         except ConnectionResetError:
             # The client left while a chunk was written: leaving this block closes

@@ -22,22 +22,14 @@ def openai_usage(usage):
             "total_tokens": int(usage.get("total_tokens") or prompt + completion)}
 
 
-def finish_reason(source, usage, max_tokens=None):
-    """"length" when the description was cut at the client's max_tokens, else
-    "stop". USAGE carries no finish reason, only the completion tokens the LLM
-    billed: an LLM answer ("llm", not cached, one attempt: retried attempts
-    add up) that used all the max_tokens the client asked for was cut there.
-    A cut at the server's own max_tokens (the client sent none), a retried or
-    cached answer, and a stream cut short upstream ("llm_partial") stay
-    "stop"; `classify_describe.description_source` tells the last."""
-    usage = usage or {}
-    if (max_tokens and source == "llm" and not usage.get("cached") and usage.get("attempts") == 1
-            and int(usage.get("completion_tokens") or 0) >= max_tokens):
-        return "length"
-    return "stop"
+def finish_reason(usage):
+    """The LLM's own finish_reason, as the describe step passed it on in USAGE
+    ("length": cut at max_tokens); "stop" when there is none (a fallback, a
+    stream cut short upstream: `classify_describe.description_source` says which)."""
+    return (usage or {}).get("finish_reason") or "stop"
 
 
-def completion(id, model, answer, created=None, max_tokens=None):
+def completion(id, model, answer, created=None):
     return {
         "id": id,
         "object": "chat.completion",
@@ -45,7 +37,7 @@ def completion(id, model, answer, created=None, max_tokens=None):
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.description, "refusal": None},
                      "logprobs": None,
-                     "finish_reason": finish_reason(answer.source, answer.usage, max_tokens)}],
+                     "finish_reason": finish_reason(answer.usage)}],
         "usage": openai_usage(answer.usage),
         EXTRA: {"labels": answer.labels, "scores": answer.scores,
                 "description_source": answer.source, "usage": answer.usage},
@@ -78,8 +70,8 @@ class ChunkWriter:
     def text(self, text):
         return self._chunk(self._choice({"content": text}))
 
-    def last(self, source, usage, max_tokens=None):
-        out = self._chunk(self._choice({}, finish_reason(source, usage, max_tokens)),
+    def last(self, source, usage):
+        out = self._chunk(self._choice({}, finish_reason(usage)),
                           **{EXTRA: {"description_source": source, "usage": usage}})
         if self.include_usage:
             out += self._chunk([], usage=openai_usage(usage))

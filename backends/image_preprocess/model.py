@@ -1,6 +1,7 @@
 """Triton adapter for image_decode: IMAGE (encoded bytes) -> PIXELS (FP32 [3,crop,crop]).
 
 Owns the tensor names and every pb_utils call; the decoding rules live in image_decode.py.
+A refused IMAGE is answered in the error contract (error_contract.py, a link to openai_describe's).
 """
 
 import json
@@ -10,6 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 from PIL import Image
 
+import error_contract as contract
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_settings
 
 INPUT_NAME = "IMAGE"
@@ -60,10 +62,12 @@ class TritonPythonModel:
             tensor = pb_utils.Tensor(OUTPUT_NAME, pixels.astype(self.output_dtype, copy=False))
             return pb_utils.InferenceResponse(output_tensors=[tensor])
         except InvalidImage as error:
-            return _error_response(str(error), pb_utils.TritonError.INVALID_ARG)
+            return _error_response(contract.tagged(contract.INVALID_INPUT, str(error), INPUT_NAME),
+                                   pb_utils.TritonError.INVALID_ARG)
         except Exception:  # a bug, not bad input: the traceback goes to the log, not to the client
             self.log.error(f"unexpected error:\n{traceback.format_exc()}")
-            return _error_response("internal error while preprocessing IMAGE", pb_utils.TritonError.INTERNAL)
+            return _error_response(contract.tagged(contract.INTERNAL, "internal error while preprocessing IMAGE"),
+                                   pb_utils.TritonError.INTERNAL)
 
     def finalize(self):
         self.log.info("unloaded")

@@ -15,6 +15,10 @@ class Usage:
     attempts: int = 0
     cached: bool = False
     fallback_reason: str = None
+    # The upstream's own finish_reason ("stop", "length", ...) for an LLM
+    # answer, passed on as it came (the OpenAI front answers with it); None
+    # for a fallback, a stream cut short, or an upstream that sent none.
+    finish_reason: str = None
     # Streams only (describe_stream), left out of the JSON otherwise: from the
     # step receiving the request to the first text chunk sent, and the chunks sent.
     time_to_first_token_ms: float = None
@@ -45,3 +49,12 @@ def tokens_from(usage):
     if usage is None:
         return 0, 0
     return int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+
+
+def finish_reason_of(response):
+    """The finish_reason of a chat completion or of a stream's chunk, or None."""
+    try:
+        reason = response.choices[0].finish_reason
+    except (AttributeError, IndexError, TypeError):
+        return None
+    return reason if isinstance(reason, str) else None

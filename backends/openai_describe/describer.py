@@ -1,6 +1,7 @@
 """The LLM call with everything around it: cache, circuit breaker, concurrency
 cap, per-attempt timeout, retries with back-off, cancellation, fallback and
-accounting. Runs on one asyncio loop; knows nothing about Triton.
+accounting, one path for the whole answer and the streamed one (streaming.py
+reads a stream). Runs on one asyncio loop; knows nothing about Triton.
 """
 
 import asyncio
@@ -14,10 +15,12 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletion
 
-from accounting import Usage, cost_usd, tokens_from
+from accounting import Usage, cost_usd, finish_reason_of, tokens_from
 from llm_cache import LRUCache, cache_key
 from prompting import build_messages, fallback_description
-from resilience import CircuitBreaker, Failure, backoff_delay, classify_status
+from resilience import Cancelled, CircuitBreaker, Failure, MalformedResponse, backoff_delay, classify_status
+from settings import Overrides
+from streaming import StreamedAnswer
 
 NO_KEY_HELP = (
     "no API key found in {where}: every description is the classification-only fallback "
@@ -28,23 +31,29 @@ NO_KEY_HELP = (
 )
 
 
-class Cancelled(Exception):
-    """The client gave up on the request (Triton request cancellation)."""
-
-
-class MalformedResponse(Exception):
-    pass
-
-
 @dataclass(frozen=True)
 class Job:
+    """One description to make: what the classifier saw, the caller's question
+    and the request's Overrides. The upstream request is built from it
+    (messages(), body()), so what the LLM is shown lives here and nowhere else."""
+
     labels: tuple
     scores: tuple
     prompt: str
-    model: str
-    temperature: float
-    max_tokens: int
-    timeout_s: float
+    overrides: Overrides
+
+    @property
+    def model(self):
+        return self.overrides.model
+
+    def messages(self, settings):
+        return build_messages(settings, self.labels, self.scores, self.prompt)
+
+    def body(self, messages, **extra):
+        """The chat-completions request body."""
+        o = self.overrides
+        return {"model": o.model, "messages": messages, "max_tokens": o.max_tokens, "temperature": o.temperature,
+                **extra}
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,51 @@ class Result:
     outcome: str  # ok, retried, cached, fallback, partial, error (on_failure=error)
 
 
+@dataclass(frozen=True)
+class Call:
+    """What one mode's reader (WholeAnswer here, streaming.StreamedAnswer) gets
+    for one request: the upstream client, the body to send, and the Describer's
+    waiting, billing, failure classifying and slot, bound to this request."""
+
+    client: object
+    job: Job
+    messages: list
+    usage: Usage
+    wait: object           # await wait(awaitable, timeout): honours cancellation
+    bill: object           # bill(sdk_usage): adds to usage
+    classify_failure: object
+    release_slot: object
+    is_cancelled: object
+    clock: object
+    deadline: float        # the request's, for every attempt and the whole stream
+
+
+class WholeAnswer:
+    """One chat completion per attempt; its text is the answer."""
+
+    keeps_slot = False
+
+    def __init__(self, call):
+        self.call = call
+
+    async def attempt(self, timeout):
+        """One chat completion, bounded by `timeout`: (its text, its finish_reason)."""
+        c = self.call
+        # The SDK's generic post() with the typed ChatCompletion result: same
+        # auth, errors and parsing as chat.completions.create(), without its
+        # per-call TypedDict transform of the body (about 1 ms of CPU per call
+        # here, on the path of every request).
+        response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
+                                              body=c.job.body(c.messages)), timeout)
+        c.bill(getattr(response, "usage", None))  # an answer we cannot use is billed all the same
+        return _answer_text(response), finish_reason_of(response)
+
+    async def read(self, answer):
+        """(text, finish_reason, the Failure that cut it short or None)."""
+        text, finish_reason = answer.value
+        return text, finish_reason, None
+
+
 class Observer:
     """Hooks for metrics; the Triton adapter implements them with MetricFamily."""
 
@@ -80,63 +134,100 @@ class Describer:
     def __init__(self, settings, client, scrub, observer=None, log=None,
                  clock=time.monotonic, rand=random.random):
         self.settings = settings
-        self.client = client  # AsyncOpenAI-like, or None when no key is configured
         self.scrub = scrub
         self.observer = observer or Observer()
         self.log = log
-        self._clock = self.clock = clock
+        self._client = client  # AsyncOpenAI-like, or None when no key is configured
+        self._clock = clock
         self._rand = rand
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._in_flight = 0
         self._queued = 0
         self._breakers = {}
         self._last_warned = {}
-        self.cache = LRUCache(settings.cache_max_entries, settings.cache_ttl_s, clock) \
+        self._cache = LRUCache(settings.cache_max_entries, settings.cache_ttl_s, clock) \
             if settings.cache_enabled else None
 
-    async def describe(self, job, is_cancelled=lambda: False):
-        messages = build_messages(self.settings, job.labels, job.scores, job.prompt)
-        key, text = self.lookup(job, messages)
-        if text is not None:
+    async def describe(self, job, is_cancelled=lambda: False, emit=None):
+        """The Result for `job`; raises Cancelled. With `emit`, the text is
+        streamed: emit(text) gets it chunk by chunk as the upstream writes it
+        (a cached answer or the fallback as one chunk; nothing on
+        on_failure=error), and USAGE tells the time to the first chunk and how
+        many went out. Retries happen only before the first chunk; a stream
+        that fails after it ends as "llm_partial" with the text sent."""
+        started = self._clock()
+        if emit is None:
+            return await self._describe(job, is_cancelled, None, started)
+        sent = []  # when each chunk went out
+
+        def send(text):
+            emit(text)
+            sent.append(self._clock())
+
+        result = await self._describe(job, is_cancelled, send, started)
+        if sent:
+            result.usage.time_to_first_token_ms = (sent[0] - started) * 1000.0
+            result.usage.chunks = len(sent)
+        return result
+
+    async def _describe(self, job, is_cancelled, emit, started):
+        messages = job.messages(self.settings)
+        key, cached = self._lookup(job, messages)
+        if cached is not None:
             # Nothing was spent on this request: the USAGE sums stay the real bill.
-            return self.done(job, Result(text, "llm", Usage(job.model, cached=True), "cached"))
-        if self.client is None:
-            return self.fallback(job, Usage(job.model), "no_api_key")
+            text, finish_reason = cached
+            if emit is not None:
+                emit(text)
+            return self._done(job, Result(text, "llm", Usage(job.model, cached=True, finish_reason=finish_reason),
+                                          "cached"))
+        if self._client is None:
+            return self._fallback(job, Usage(job.model), "no_api_key", emit)
 
         usage = Usage(job.model)
+        call = Call(self._client, job, messages, usage, lambda task, timeout: self._wait(task, timeout, is_cancelled),
+                    lambda reported: self._bill(job, usage, reported), self.classify_failure, self._release_slot,
+                    is_cancelled, self._clock, started + self.settings.total_timeout_s)
+        reader = WholeAnswer(call) if emit is None else StreamedAnswer(call, emit)
         try:
-            answer = await self.attempts(job, usage, is_cancelled,
-                                         lambda timeout: self._complete(job, messages, usage, timeout, is_cancelled))
+            answer = await self._attempts(job, usage, is_cancelled, reader.attempt, keep_slot=reader.keeps_slot)
+            if isinstance(answer, str):
+                return self._fallback(job, usage, answer, emit)
+            text, finish_reason, failure = await reader.read(answer)
         except Cancelled:
             # No USAGE goes back, but what earlier attempts were billed still counts.
             self.observer.request_done(job.model, "cancelled", usage)
             raise
-        if isinstance(answer, str):
-            return self.fallback(job, usage, answer)
+        usage.finish_reason = finish_reason
+        if failure is not None:
+            if failure.upstream_fault:
+                answer.breaker.record_failure(answer.ticket)
+            usage.fallback_reason = failure.reason
+            return self._done(job, Result(text, "llm_partial", usage, "partial"))
         if key is not None:
-            self.cache.put(key, answer.value)
-        outcome = "ok" if usage.attempts == 1 else "retried"
-        return self.done(job, Result(answer.value, "llm", usage, outcome))
+            self._cache.put(key, (text, finish_reason))
+        return self._done(job, Result(text, "llm", usage, "ok" if usage.attempts == 1 else "retried"))
 
-    def lookup(self, job, messages):
-        """(cache key or None, the cached answer or None)."""
-        if self.cache is None:
+    def _lookup(self, job, messages):
+        """(cache key or None, the cached (text, finish_reason) or None)."""
+        if self._cache is None:
             return None, None
-        key = cache_key(job.model, job.temperature, job.max_tokens, messages)
-        text = self.cache.get(key)
-        self.observer.cache(text is not None)
-        return key, text
+        o = job.overrides
+        key = cache_key(o.model, o.temperature, o.max_tokens, messages)
+        cached = self._cache.get(key)
+        self.observer.cache(cached is not None)
+        return key, cached
 
-    async def attempts(self, job, usage, is_cancelled, attempt, keep_slot=False):
+    async def _attempts(self, job, usage, is_cancelled, attempt, keep_slot=False):
         """Upstream attempts under the circuit breaker, the concurrency cap, the
         request's deadline and the retry policy. `attempt(timeout)` makes one
         (on a slot) and returns what it got or raises. Returns an Answer, or
         the reason to fall back (a str); raises Cancelled.
 
         keep_slot: a successful attempt keeps its slot (a stream still being
-        read); the caller gives it back with release_slot()."""
+        read); the reader gives it back with Call.release_slot()."""
         breaker = self._breaker(job.model)
         deadline = self._clock() + self.settings.total_timeout_s
+        timeout_s = job.overrides.timeout_s
         while True:
             if usage.attempts and is_cancelled():
                 raise Cancelled()
@@ -156,20 +247,20 @@ class Describer:
             usage.attempts += 1
             # Time spent queued for a slot or in back-off may leave this attempt
             # less than its timeout_s before the request's deadline.
-            timeout = max(0.001, min(job.timeout_s, deadline - self._clock()))
+            timeout = max(0.001, min(timeout_s, deadline - self._clock()))
             started = self._clock()
             try:
                 value = await attempt(timeout)
             except Cancelled:
-                self.release_slot()
+                self._release_slot()
                 breaker.release(ticket)
                 raise
             except Exception as exc:  # every failure becomes a decision below, never a crash
-                failure = self.classify(exc)
+                failure = self.classify_failure(exc)
             else:
                 failure = None
             if failure is not None or not keep_slot:
-                self.release_slot()
+                self._release_slot()
             elapsed = self._clock() - started
             usage.upstream_latency_ms += elapsed * 1000.0
             self.observer.attempt_done(job.model, elapsed, failure.reason if failure else "ok")
@@ -178,7 +269,7 @@ class Describer:
                 breaker.record_success(ticket)
                 return Answer(value, breaker, ticket)
 
-            if failure.reason == "timeout" and timeout < job.timeout_s:
+            if failure.reason == "timeout" and timeout < timeout_s:
                 # An attempt cut short by our deadline had no fair chance: no verdict.
                 failure = dataclasses.replace(failure, upstream_fault=False)
             if failure.upstream_fault:
@@ -196,48 +287,34 @@ class Describer:
             await self._sleep(delay, is_cancelled)
 
     async def aclose(self):
-        if self.client is not None:
-            await self.client.close()
+        if self._client is not None:
+            await self._client.close()
 
     # -- one upstream attempt ------------------------------------------------------
 
     async def _take_slot(self, deadline, is_cancelled):
         """Wait for a slot under the concurrency cap (queueing, not failing)
         until the request's deadline; TimeoutError if none came. The holder
-        gives it back with release_slot()."""
+        gives it back with _release_slot()."""
         self._queued += 1
         self.observer.queued(self._queued)
         try:
-            await self.wait(asyncio.ensure_future(self._slots.acquire()),
-                            deadline - self._clock(), is_cancelled)
+            await self._wait(self._slots.acquire(), deadline - self._clock(), is_cancelled)
         finally:
             self._queued -= 1
             self.observer.queued(self._queued)
         self._in_flight += 1
         self.observer.in_flight(self._in_flight)
 
-    def release_slot(self):
+    def _release_slot(self):
         self._slots.release()
         self._in_flight -= 1
         self.observer.in_flight(self._in_flight)
 
-    async def _complete(self, job, messages, usage, timeout, is_cancelled):
-        """One chat completion, bounded by `timeout`: its answer's text."""
-        # The SDK's generic post() with the typed ChatCompletion result: same
-        # auth, errors and parsing as chat.completions.create(), without its
-        # per-call TypedDict transform of the body (about 1 ms of CPU per call
-        # here, on the path of every request).
-        call = self.client.post(
-            "/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
-            body={"model": job.model, "messages": messages, "max_tokens": job.max_tokens,
-                  "temperature": job.temperature})
-        response = await self.wait(asyncio.ensure_future(call), timeout, is_cancelled)
-        self.bill(job, usage, getattr(response, "usage", None))  # an answer we cannot use is billed all the same
-        return _answer_text(response)
-
-    async def wait(self, task, timeout, is_cancelled):
-        """Await `task` for at most `timeout` seconds, checking for cancellation
-        every cancel_poll_s; the task is cancelled if we stop waiting."""
+    async def _wait(self, awaitable, timeout, is_cancelled):
+        """Await `awaitable` for at most `timeout` seconds, checking for cancellation
+        every cancel_poll_s; it is cancelled if we stop waiting."""
+        task = asyncio.ensure_future(awaitable)
         end = self._clock() + timeout
         try:
             while True:
@@ -267,7 +344,8 @@ class Describer:
 
     # -- decisions and bookkeeping ---------------------------------------------------
 
-    def classify(self, exc):
+    def classify_failure(self, exc):
+        """The Failure an upstream attempt's exception stands for (rate-limited warning logged)."""
         if isinstance(exc, openai.APIStatusError):
             failure = classify_status(exc.status_code, exc.response.headers)
         elif isinstance(exc, (TimeoutError, openai.APIConnectionError)):
@@ -284,7 +362,7 @@ class Describer:
                                 f"{type(exc).__name__}: {self.scrub(exc)}")
         return failure
 
-    def bill(self, job, usage, reported):
+    def _bill(self, job, usage, reported):
         """Add what the upstream reported (an SDK usage object, or None) to `usage`."""
         prompt_tokens, completion_tokens = tokens_from(reported)
         usage.prompt_tokens += prompt_tokens
@@ -292,13 +370,16 @@ class Describer:
         usage.total_tokens += prompt_tokens + completion_tokens
         usage.cost_usd += cost_usd(prompt_tokens, completion_tokens, *self.settings.prices_for(job.model))
 
-    def fallback(self, job, usage, reason):
+    def _fallback(self, job, usage, reason, emit=None):
         usage.fallback_reason = reason
-        if self.settings.on_failure == "error":
-            return self.done(job, Result("", "fallback", usage, "error"))
-        return self.done(job, Result(fallback_description(job.labels, job.scores), "fallback", usage, "fallback"))
+        if self.settings.on_failure == "error":  # the adapter answers with an error instead: nothing emitted
+            return self._done(job, Result("", "fallback", usage, "error"))
+        result = Result(fallback_description(job.labels, job.scores), "fallback", usage, "fallback")
+        if emit is not None:
+            emit(result.description)
+        return self._done(job, result)
 
-    def done(self, job, result):
+    def _done(self, job, result):
         self.observer.request_done(job.model, result.outcome, result.usage)
         return result
 

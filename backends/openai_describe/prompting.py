@@ -3,7 +3,11 @@ alone when no LLM answer can be used."""
 
 
 class PromptError(ValueError):
-    """The caller's PROMPT is refused (the adapter answers INVALID_ARG)."""
+    """The caller's PROMPT or LABELS are refused (the adapter answers INVALID_ARG)."""
+
+    def __init__(self, message, field):
+        super().__init__(message)
+        self.field = field  # the input at fault: PROMPT or LABELS
 
 
 def read_prompt(raw, max_chars):
@@ -12,10 +16,10 @@ def read_prompt(raw, max_chars):
     paid model) and text longer than `max_chars` (input tokens cost money)."""
     if raw is None:
         return ""
-    text = _utf8(raw, "PROMPT").strip()
+    text = _utf8(raw, "PROMPT", "PROMPT").strip()
     if len(text) > max_chars:
         raise PromptError(f"PROMPT has {len(text)} characters, more than the limit "
-                          f"max_prompt_chars={max_chars} (model config)")
+                          f"max_prompt_chars={max_chars} (model config)", "PROMPT")
     return text
 
 
@@ -26,27 +30,27 @@ def read_labels(raw, settings):
     most max_prompt_chars, UTF-8 only."""
     if len(raw) > settings.max_labels:
         raise PromptError(f"LABELS has {len(raw)} labels, more than the limit "
-                          f"max_labels={settings.max_labels} (model config)")
-    labels = tuple(_utf8(value, f"LABELS[{i}]") for i, value in enumerate(raw))
+                          f"max_labels={settings.max_labels} (model config)", "LABELS")
+    labels = tuple(_utf8(value, f"LABELS[{i}]", "LABELS") for i, value in enumerate(raw))
     for i, label in enumerate(labels):
         if len(label) > settings.max_label_chars:
             raise PromptError(f"LABELS[{i}] has {len(label)} characters, more than the limit "
-                              f"max_label_chars={settings.max_label_chars} (model config)")
+                              f"max_label_chars={settings.max_label_chars} (model config)", "LABELS")
     total = sum(len(label) for label in labels)
     if total > settings.max_prompt_chars:
         raise PromptError(f"LABELS have {total} characters together, more than the limit "
-                          f"max_prompt_chars={settings.max_prompt_chars} (model config)")
+                          f"max_prompt_chars={settings.max_prompt_chars} (model config)", "LABELS")
     return labels
 
 
-def _utf8(raw, name):
+def _utf8(raw, name, field):
     if not isinstance(raw, (bytes, bytearray)):
         return str(raw)
     try:
         return bytes(raw).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PromptError(f"{name} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset "
-                          f"{exc.start}); send it encoded as UTF-8") from None
+                          f"{exc.start}); send it encoded as UTF-8", field) from None
 
 
 def short_label(label):

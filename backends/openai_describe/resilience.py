@@ -10,6 +10,14 @@ from dataclasses import dataclass
 NO_RETRY_STATUS = {400, 401, 403, 404, 422}
 
 
+class Cancelled(Exception):
+    """The client gave up on the request (Triton request cancellation)."""
+
+
+class MalformedResponse(Exception):
+    """A 200 whose body holds no usable answer: retried like a glitch."""
+
+
 @dataclass(frozen=True)
 class Failure:
     """What went wrong with one upstream attempt, in words safe to log and return."""

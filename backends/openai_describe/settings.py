@@ -39,6 +39,21 @@ class ConfigError(ValueError):
 class InvalidOverride(ValueError):
     """A request parameter (model, temperature, ...) is outside what the config allows."""
 
+    def __init__(self, message, field):
+        super().__init__(message)
+        self.field = field  # the request parameter at fault
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """What one request may choose within the config's limits (its Triton
+    request parameters), checked by Settings.resolve_overrides."""
+
+    model: str
+    temperature: float
+    max_tokens: int
+    timeout_s: float
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -100,7 +115,7 @@ class Settings:
         return self.model_prices.get(model, (self.price_input_per_million, self.price_output_per_million))
 
     def resolve_overrides(self, params):
-        """Return (model, temperature, max_tokens, timeout_s) for one request.
+        """The Overrides of one request.
 
         `params` are the Triton request parameters; unknown keys are ignored
         (an ensemble may carry parameters meant for other steps). Values out
@@ -108,22 +123,22 @@ class Settings:
         """
         model = params.get("model", self.model)
         if not isinstance(model, str) or not model:
-            raise InvalidOverride("parameter 'model' must be a non-empty string")
+            raise InvalidOverride("parameter 'model' must be a non-empty string", "model")
         if not self.is_model_allowed(model):
-            raise InvalidOverride(f"model '{model}' is not allowed here (allowed_models)")
+            raise InvalidOverride(f"model '{model}' is not allowed here (allowed_models)", "model")
         temperature = _number(params, "temperature", self.temperature)
         if not self.temperature_min <= temperature <= self.temperature_max:
             raise InvalidOverride(
-                f"temperature {temperature} is outside [{self.temperature_min}, {self.temperature_max}]")
+                f"temperature {temperature} is outside [{self.temperature_min}, {self.temperature_max}]", "temperature")
         max_tokens = _number(params, "max_tokens", self.max_tokens)
         if max_tokens != int(max_tokens) or not 1 <= max_tokens <= self.max_tokens_limit:
             raise InvalidOverride(f"max_tokens must be an integer in [1, {self.max_tokens_limit}] "
-                                f"(max_tokens_limit in the model config), got {max_tokens:g}")
+                                f"(max_tokens_limit in the model config), got {max_tokens:g}", "max_tokens")
         # A caller may only shorten the per-attempt timeout ("answer fast or fall back").
         timeout_s = _number(params, "timeout_s", self.timeout_s)
         if not 0 < timeout_s <= self.timeout_s:
-            raise InvalidOverride(f"timeout_s must be in (0, {self.timeout_s}]")
-        return model, float(temperature), int(max_tokens), float(timeout_s)
+            raise InvalidOverride(f"timeout_s must be in (0, {self.timeout_s}]", "timeout_s")
+        return Overrides(model, float(temperature), int(max_tokens), float(timeout_s))
 
     # -- the API key -------------------------------------------------------------
 
@@ -163,20 +178,20 @@ class RequestModels:
             raise InvalidOverride(
                 f"model '{model}' is refused: requests have already picked {limit} other models "
                 f"(max_request_models={limit} in the model config); use one of those or the default "
-                f"'{self.settings.model}'")
+                f"'{self.settings.model}'", "model")
         self._admitted.add(model)
 
 
 def _number(params, name, default):
     value = params.get(name, default)
     if isinstance(value, bool):
-        raise InvalidOverride(f"parameter '{name}' must be a number")
+        raise InvalidOverride(f"parameter '{name}' must be a number", name)
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise InvalidOverride(f"parameter '{name}' must be a number, got {value!r}") from None
+        raise InvalidOverride(f"parameter '{name}' must be a number, got {value!r}", name) from None
     if not math.isfinite(value):
-        raise InvalidOverride(f"parameter '{name}' must be finite")
+        raise InvalidOverride(f"parameter '{name}' must be finite", name)
     return value
 
 

@@ -12,7 +12,7 @@ from tools.fake_openai import FakeOpenAI
 
 from describer import Cancelled, Describer, Job, Observer, make_client
 from scrubbing import Scrubber
-from settings import parse_settings
+from settings import Overrides, parse_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ class Log:
 
 
 def job(prompt="Describe", model="gpt-4o-mini", timeout_s=2.0, **kw):
-    return Job(("tabby, tabby cat", "tiger cat"), (0.7, 0.2), prompt, model, 0.2, 64, timeout_s, **kw)
+    return Job(("tabby, tabby cat", "tiger cat"), (0.7, 0.2), prompt, Overrides(model, 0.2, 64, timeout_s), **kw)
 
 
 def run(test, latency_ms=0, key=KEY, **params):
@@ -365,3 +365,18 @@ def test_a_billed_empty_answer_counts_in_usage_and_metrics():
             await task
         assert obs.outcomes[-1] == "cancelled" and obs.usages[-1].total_tokens == 42
     scripted(test, circuit_failure_threshold="100")
+
+
+def test_the_upstreams_finish_reason_is_passed_on_in_usage():
+    """The fake says "length" when its answer used all of max_tokens (the Job asks for 64)."""
+    async def test(fake, d, obs, log):
+        fake.set_mode("ok", answer_words=12)
+        assert (await d.describe(job("short"))).usage.finish_reason == "stop"
+        fake.set_mode("ok", answer_words=80)
+        cut = await d.describe(job("long"))
+        assert cut.usage.finish_reason == "length" and cut.source == "llm"
+        again = await d.describe(job("long"))
+        assert again.outcome == "cached" and again.usage.finish_reason == "length"  # cached with its text
+        fake.set_mode("500")
+        assert (await d.describe(job("down"))).usage.finish_reason is None  # a fallback has none
+    run(test)

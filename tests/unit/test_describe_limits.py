@@ -42,16 +42,20 @@ def test_read_prompt_length_counts_characters_and_names_the_limit():
 
 def test_max_tokens_above_the_limit_names_max_tokens_limit():
     settings = parse_settings({"max_tokens": "64", "max_tokens_limit": "100"}, environ={})
-    assert settings.resolve_overrides({"max_tokens": 100})[2] == 100
+    assert settings.resolve_overrides({"max_tokens": 100}).max_tokens == 100
     with pytest.raises(InvalidOverride) as error:
         settings.resolve_overrides({"max_tokens": 101})
     assert "max_tokens_limit" in str(error.value) and "100" in str(error.value)
 
 
-def test_limits_are_in_the_committed_config_and_overridable():
-    committed = model_config.read(CONFIG).parameters
+def test_limits_have_documented_defaults_and_are_overridable():
+    """The limits are the backend's defaults (a config.pbtxt sets only what differs:
+    test_stream_configs.py), each listed with its default in docs/llm-endpoints.md."""
+    committed = parse_settings({key: value.string_value for key, value in model_config.read(CONFIG).parameters.items()},
+                               environ={})
+    documented = (ROOT / "docs/llm-endpoints.md").read_text()
     for key in ("max_prompt_chars", "max_tokens_limit", "max_labels", "max_label_chars", "max_request_models"):
-        assert key in committed
+        assert getattr(committed, key) >= 1 and f"`{key}`" in documented, key
     settings = parse_settings({"max_prompt_chars": "50"}, environ={"LLM_MAX_PROMPT_CHARS": "12"})
     assert settings.max_prompt_chars == 12
     with pytest.raises(ConfigError, match="max_prompt_chars"):

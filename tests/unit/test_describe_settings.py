@@ -3,7 +3,7 @@
 
 import pytest
 
-from settings import ConfigError, InvalidOverride, parse_settings
+from settings import ConfigError, InvalidOverride, Overrides, parse_settings
 
 
 def test_defaults_point_at_openai():
@@ -51,14 +51,15 @@ def test_a_bad_environment_value_names_the_variable():
 
 def test_request_overrides_stay_within_config_limits():
     s = parse_settings({"allowed_models": "gpt-4o-mini*", "max_tokens_limit": "512"}, {})
-    assert s.resolve_overrides({}) == ("gpt-4o-mini", 0.2, 256, 15.0)
+    assert s.resolve_overrides({}) == Overrides("gpt-4o-mini", 0.2, 256, 15.0)
     assert s.resolve_overrides({"model": "gpt-4o-mini-2024-07-18", "temperature": "0.5",
                                 "max_tokens": 100, "timeout_s": 2, "other_step": "x"}) == \
-        ("gpt-4o-mini-2024-07-18", 0.5, 100, 2.0)
+        Overrides("gpt-4o-mini-2024-07-18", 0.5, 100, 2.0)
     for bad in ({"model": "gpt-4o"}, {"temperature": 1.5}, {"max_tokens": 513}, {"max_tokens": 2.5},
                 {"timeout_s": 60}, {"temperature": "hot"}, {"max_tokens": True}):
-        with pytest.raises(InvalidOverride):
+        with pytest.raises(InvalidOverride) as refused:
             s.resolve_overrides(bad)
+        assert refused.value.field == next(iter(bad))  # the parameter at fault, for the error contract
 
 
 def test_api_key_from_env_var_or_file(tmp_path):

@@ -1,4 +1,4 @@
-"""streaming.describe_stream over real HTTP against the fake upstream streaming
+"""Describer.describe(job, emit=...), the streamed answer (streaming.py), over real HTTP against the fake upstream streaming
 server-sent events, with the real openai SDK: the same Describer as the plain
 call (cache, retries, breaker, slots, fallback, billing), text chunk by chunk."""
 
@@ -11,7 +11,6 @@ from tools.fake_openai import FakeOpenAI
 from describer import Cancelled, Describer, make_client
 from scrubbing import Scrubber
 from settings import parse_settings
-from streaming import describe_stream
 
 
 def run(test, key=KEY, **params):
@@ -32,7 +31,7 @@ def run(test, key=KEY, **params):
 
 async def stream(describer, the_job=None, is_cancelled=lambda: False):
     chunks = []
-    result = await describe_stream(describer, the_job or job(), chunks.append, is_cancelled)
+    result = await describer.describe(the_job or job(), is_cancelled, chunks.append)
     return chunks, result
 
 
@@ -90,7 +89,7 @@ def test_a_cancelled_stream_closes_the_upstream_connection():
                 cancelled.append(True)
 
         try:
-            await describe_stream(d, job(), emit, lambda: bool(cancelled))
+            await d.describe(job(), lambda: bool(cancelled), emit)
         except Cancelled:
             pass
         else:
@@ -119,4 +118,18 @@ def test_a_stream_that_stalls_after_its_first_token_ends_as_partial():
         chunks, r = await stream(d, job(timeout_s=0.3))
         assert r.source == "llm_partial" and chunks == [r.description] and r.usage.fallback_reason == "timeout"
         assert asyncio.get_running_loop().time() - started < 1.5 and d._in_flight == 0
+    run(test)
+
+
+def test_the_streams_finish_reason_is_passed_on_in_usage():
+    async def test(fake, d, obs):
+        fake.set_mode("ok", answer_words=80)
+        _, r = await stream(d)
+        assert r.usage.finish_reason == "length" and r.source == "llm"
+        fake.set_mode("ok", answer_words=12)
+        _, r = await stream(d, job("short"))
+        assert r.usage.finish_reason == "stop"
+        fake.set_mode("cut", cut_after=2, chunk_ms=20)
+        _, r = await stream(d, job("cut"))
+        assert r.source == "llm_partial" and r.usage.finish_reason is None
     run(test)

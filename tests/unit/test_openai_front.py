@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from openai_front import app as front_app
 from openai_front import chat, responses, settings, triton
+from openai_front import error_contract as contract
 from openai_front.errors import FrontError
 from openai_front.metrics import Metrics
 from openai_front.triton import Answer, front_error
@@ -197,7 +198,8 @@ def test_chunks_first_text_last_usage_done(include_usage):
     (InferenceServerException("Request for unknown model", status="StatusCode.NOT_FOUND"), 503),
     (InferenceServerException("Deadline Exceeded", status="StatusCode.DEADLINE_EXCEEDED"), 504),
     (InferenceServerException("boom", status="StatusCode.INTERNAL"), 500),
-    (InferenceServerException("in ensemble 'x', IMAGE PNG data is corrupt"), 400),  # a stream error: text only
+    (InferenceServerException("in ensemble 'x', " + contract.tagged(contract.INVALID_INPUT, "IMAGE PNG data is corrupt",
+                                                                     "IMAGE")), 400),  # a stream error: text only
     (InferenceServerException("Exceeds maximum queue size"), 503),
     (InferenceServerException("something else broke"), 500),
 ])
@@ -404,37 +406,49 @@ def test_the_tasks_own_cancellation_still_cancels_the_call():
 
 
 @pytest.mark.parametrize("message, status, param", [
-    # backends/openai_describe/model.py: on_failure=error, a stream's only text
-    ("the LLM upstream could not answer (rate_limited_http_429)", 503, None),
-    ("in ensemble 'classify_and_describe', the LLM upstream could not answer (timeout)", 503, None),
-    ("the model is unloading", 503, None),
-    ("internal error in the describe step", 500, None),
+    # our backends (error_contract.py): on_failure=error, a stream's only text
+    (contract.tagged(contract.UPSTREAM_UNAVAILABLE, "the LLM upstream could not answer (rate_limited_http_429)"), 503, None),
+    ("in ensemble 'classify_and_describe', "
+     + contract.tagged(contract.UPSTREAM_UNAVAILABLE, "the LLM upstream could not answer (timeout)"), 503, None),
+    (contract.tagged(contract.MODEL_UNLOADING, "the model is unloading"), 503, None),
+    (contract.tagged(contract.REQUEST_CANCELLED, "request cancelled"), 503, None),
+    (contract.tagged(contract.INTERNAL, "internal error in the describe step"), 500, None),
     # Triton's own texts
     ("Request for unknown model: 'classify_and_describe_stream' is not found", 503, None),
     ("Request for unknown model: 'classify_and_describe_stream' has no available versions", 503, None),
     ("in ensemble 'classify_and_describe', [request id: 6192] Exceeds maximum queue size", 503, None),
     ("Server is stopping, scheduler for model has stopped accepting new inference requests", 503, None),
-    # refusals (INVALID_ARG), each beginning with what it refuses
-    ("in ensemble 'classify', IMAGE PNG data is corrupt or truncated: x", 400, "messages"),
-    ("IMAGE format GIF is not supported (use one of JPEG, PNG)", 400, "messages"),
-    ("PROMPT has 9000 characters, more than the limit max_prompt_chars=4000 (model config)", 400, "messages"),
-    ("temperature 1.9 is outside [0.0, 1.5]", 400, "temperature"),
-    ("max_tokens must be an integer in [1, 1024] (max_tokens_limit in the model config), got 5000", 400, "max_tokens"),
-    # other text that merely mentions an input name is no refusal
+    # refusals (INVALID_ARG), each naming the field at fault
+    ("in ensemble 'classify', " + contract.tagged(contract.INVALID_INPUT, "IMAGE PNG data is corrupt or truncated: x",
+                                                  "IMAGE"), 400, "messages"),
+    (contract.tagged(contract.INVALID_INPUT, "IMAGE format GIF is not supported (use one of JPEG, PNG)", "IMAGE"),
+     400, "messages"),
+    (contract.tagged(contract.INVALID_INPUT, "PROMPT has 9000 characters, more than the limit max_prompt_chars=4000 "
+                                             "(model config)", "PROMPT"), 400, "messages"),
+    (contract.tagged(contract.INVALID_PARAMETER, "temperature 1.9 is outside [0.0, 1.5]", "temperature"),
+     400, "temperature"),
+    (contract.tagged(contract.INVALID_PARAMETER, "max_tokens must be an integer in [1, 1024] (max_tokens_limit in the "
+                                                 "model config), got 5000", "max_tokens"), 400, "max_tokens"),
+    (contract.tagged(contract.INVALID_PARAMETER, "timeout_s must be in (0, 15.0]", "timeout_s"), 400, None),
+    (contract.tagged(contract.INVALID_INPUT, "LABELS has 30 labels", "LABELS"), 400, None),
+    # text without the token is no refusal, whatever it mentions; nor is a code the contract does not know
     ("the stub process crashed while reading IMAGE", 500, None),
     ("PROMPTLY failed", 500, None),
+    ("IMAGE format GIF is not supported (use one of JPEG, PNG)", 500, None),
+    ("[code=made_up field=IMAGE] IMAGE is odd", 500, None),
 ])
-def test_stream_errors_map_on_the_exact_texts_the_project_sends(message, status, param):
+def test_stream_errors_map_on_the_error_contracts_code_and_field(message, status, param):
     mapped = front_error(InferenceServerException(message))  # a stream error: text only, no status
     assert (mapped.status, mapped.param) == (status, param), mapped.message
     assert ("Retry-After" in mapped.headers()) == (status == 503)
+    assert "[code=" not in mapped.message or status == 500 and "made_up" in message, "the token is for machines"
     if "LLM upstream" in message:
         assert mapped.code == "upstream_unavailable" and message[message.index("("):] in mapped.message
 
 
 def test_the_upstream_failure_of_the_plain_ensemble_says_so_too():
-    error = InferenceServerException("in ensemble 'classify_and_describe', the LLM upstream could not answer "
-                                     "(timeout)", status="StatusCode.UNAVAILABLE")
+    error = InferenceServerException("in ensemble 'classify_and_describe', " + contract.tagged(
+        contract.UPSTREAM_UNAVAILABLE, "the LLM upstream could not answer (timeout)"), status="StatusCode.UNAVAILABLE")
     mapped = front_error(error)
     assert mapped.status == 503 and "LLM upstream" in mapped.message and mapped.headers()["Retry-After"] == "1"
 
@@ -647,17 +661,18 @@ def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeyp
     assert len(big) > front_app.OFFLOAD_BYTES > len(small)
 
 
-def test_finish_reason_is_length_when_usage_shows_the_clients_max_tokens_were_used():
-    cut = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "attempts": 1}
-    assert responses.finish_reason("llm", cut, 5) == "length"
-    assert responses.finish_reason("llm", cut, 6) == "stop"
-    assert responses.finish_reason("llm", cut, None) == "stop", "the server's own limit is not known here"
-    assert responses.finish_reason("llm", {**cut, "cached": True}, 5) == "stop"
-    assert responses.finish_reason("llm", {**cut, "attempts": 2}, 5) == "stop", "retried attempts add up"
-    assert responses.finish_reason("fallback", cut, 5) == "stop"
+def test_finish_reason_is_the_one_the_describe_step_passed_on_in_usage():
+    """USAGE.finish_reason is the upstream's own (backends/openai_describe: accounting.Usage)."""
+    cut = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "attempts": 1, "finish_reason": "length"}
+    assert responses.finish_reason(cut) == "length"
+    assert responses.finish_reason({**cut, "completion_tokens": 1, "attempts": 2, "cached": True}) == "length", \
+        "a fact, not a guess from the token counts"
+    assert responses.finish_reason({**cut, "finish_reason": "stop"}) == "stop"
+    assert responses.finish_reason({**cut, "finish_reason": None}) == "stop", "a fallback or a stream cut short"
+    assert responses.finish_reason({}) == responses.finish_reason(None) == "stop"
     answer = Answer(labels=["a"], scores=[0.5], description="a b c d e", source="llm", usage=cut)
-    assert responses.completion("c", "m", answer, max_tokens=5)["choices"][0]["finish_reason"] == "length"
-    last = events(responses.ChunkWriter("c", "m", False).last("llm", cut, 5))
+    assert responses.completion("c", "m", answer)["choices"][0]["finish_reason"] == "length"
+    last = events(responses.ChunkWriter("c", "m", False).last("llm", cut))
     assert json.loads(last[0])["choices"][0]["finish_reason"] == "length"
 
 

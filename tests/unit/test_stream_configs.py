@@ -1,12 +1,17 @@
-"""The streaming models are configured like `describe`: the same LLM settings
-(endpoint, limits, retries, circuit breaker, prices, cache), so a change to
-describe's config.pbtxt that is not made to theirs fails here."""
+"""The describe models' configs: each default is written once, in the
+backend's settings (settings.Settings), and a config.pbtxt sets only what its
+model does differently; the streaming models then have the same LLM settings
+as `describe` (endpoint, limits, retries, circuit breaker, prices, cache), so
+a change to describe's config.pbtxt that is not made to theirs fails here."""
 
+import dataclasses
 import pathlib
 
 import pytest
 
 from tools import model_config
+
+from settings import Settings, parse_settings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STREAM_ONLY = {  # parameters the streaming models may set differently, and why
@@ -24,6 +29,20 @@ def parameters(model):
 def test_stream_models_share_describes_parameters(model):
     describe, stream = parameters("describe"), parameters(model)
     assert {k: v for k, v in stream.items() if k not in STREAM_ONLY} == describe
+
+
+@pytest.mark.parametrize("model", ["describe", "describe_stream", "classify_and_describe_stream"])
+def test_a_config_sets_only_what_differs_from_the_backends_defaults(model):
+    for key, text in parameters(model).items():
+        assert getattr(parse_settings({key: text}, {}), key) != getattr(Settings(), key), \
+            f"{model}: parameter {key}={text!r} is the backend's default: written twice"
+
+
+@pytest.mark.parametrize("model", ["describe_stream", "classify_and_describe_stream"])
+def test_stream_models_have_describes_settings(model):
+    describe, stream = parse_settings(parameters("describe"), {}), parse_settings(parameters(model), {})
+    differ = {f.name for f in dataclasses.fields(Settings) if getattr(describe, f.name) != getattr(stream, f.name)}
+    assert differ <= STREAM_ONLY
 
 
 @pytest.mark.parametrize("model", ["describe_stream", "classify_and_describe_stream"])

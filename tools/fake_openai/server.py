@@ -206,7 +206,7 @@ class FakeOpenAI:
         return web.json_response({
             "id": f"chatcmpl-fake-{number}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model", ""),
-            "choices": [{"index": 0, "finish_reason": "stop",
+            "choices": [{"index": 0, "finish_reason": _finish_reason(body, usage),
                          "message": {"role": "assistant", "content": content}}],
             "usage": usage,
         })
@@ -233,7 +233,7 @@ class FakeOpenAI:
                 await asyncio.sleep(self.chunk_ms / 1000.0)
             delta = {"role": "assistant", "content": word} if index == 0 else {"content": word}
             await event(dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": None}]))
-        await event(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+        await event(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": _finish_reason(body, usage)}]))
         if (body.get("stream_options") or {}).get("include_usage"):
             await event(dict(base, choices=[], usage=usage))
         await response.write(b"data: [DONE]\n\n")
@@ -339,3 +339,11 @@ class ThreadedFakeOpenAI:
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+
+def _finish_reason(body, usage):
+    """"length" when the answer used all of the request's max_tokens. The fake
+    still sends its whole text (tests read it), but reports the cut as a real
+    upstream would."""
+    max_tokens = body.get("max_tokens")
+    return "length" if isinstance(max_tokens, int) and usage["completion_tokens"] >= max_tokens else "stop"

@@ -1,0 +1,256 @@
+"""The streamed ways to serve (a decoupled model: describe_stream,
+classify_and_describe_stream): one stream per request, LABELS and SCORES
+first, then the description chunk by chunk as the LLM writes it, then
+DESCRIPTION_SOURCE and USAGE with the final flag (docs/streaming.md).
+Sends go through an outbox on a few sender threads and the client's
+cancellation is polled off the loop: each is a round trip to Triton, which
+the asyncio loop must never wait on."""
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+import time
+import traceback
+
+import triton_python_backend_utils as pb_utils
+
+import triton_io as io
+from describer import Cancelled
+from prompting import PromptError
+
+# Threads that send responses and ask Triton about cancellations, off the loop.
+SEND_THREADS = 4
+
+
+class StreamAdapter:
+    """A stream per request whose LABELS and SCORES come with it (describe_stream)."""
+
+    def __init__(self, model_name, settings, describer, metrics, log, scrub, loop, request_models):
+        self.settings, self.describer, self.metrics = settings, describer, metrics
+        self.log, self.scrub, self.loop, self.request_models = log, scrub, loop, request_models
+        self.watched = set()
+        self.send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=SEND_THREADS,
+                                                               thread_name_prefix=f"{model_name}-send")
+        self.watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), loop)
+
+    def take(self, request):
+        """On the model thread: the request's Job; raises one of io.REFUSALS."""
+        return io.read_jobs(request, self.settings, self.request_models)[0]
+
+    async def _labels(self, work, out):
+        """The stream's first response, LABELS and SCORES; the Job to describe."""
+        await out.send(io.labels_tensors([work]))
+        return work
+
+    def stop(self):
+        self.watcher.cancel()
+
+    def shutdown(self):
+        self.send_pool.shutdown(wait=False)
+
+    async def serve(self, request, work, received):
+        """LABELS and SCORES first, then the description chunk by chunk
+        (DESCRIPTION), then DESCRIPTION_SOURCE and USAGE with the final flag.
+        An error before the labels (a photo the classifier refused) is the
+        stream's only response; one after them (cancelled, on_failure=error,
+        unloading, a bug) its last."""
+        out = _Outbox(request.get_response_sender(), self.loop, self.send_pool)
+        stats = self.metrics.stream_started()
+        cancelled = _Watch(request)
+        self.watched.add(cancelled)
+
+        def stop():  # the client left, or a chunk was lost: either way, no more text is worth paying for
+            return cancelled() or out.failure is not None
+
+        def emit(text):
+            out.text(text)
+            stats.chunk(time.monotonic() - received)
+
+        response = None
+        try:
+            job = await self._labels(work, out)
+            stats.labels(time.monotonic() - received)
+            if cancelled():  # the client left while its photo was classified: no LLM call
+                self.metrics.request_done(None, "cancelled", None)
+                raise Cancelled()
+            result = await self.describer.describe(job, stop, emit)
+            await out.drain()
+            if result.outcome == "error":  # on_failure=error
+                response = io.upstream_failed(result.usage.fallback_reason)
+            else:
+                if result.usage.chunks is not None:
+                    result.usage.chunks = out.text_responses  # text that came together went out together
+                cancelled.close()
+                await out.send([io.bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
+                                io.bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
+        except io.Reject as exc:
+            if exc.code == pb_utils.TritonError.INVALID_ARG:
+                self.metrics.request_done(None, "invalid", None)
+            response = exc.response()
+        except Cancelled:  # counted by the describer, with what it had billed
+            if out.failure is not None and not cancelled():
+                response = self._chunk_lost(out.failure)
+            else:
+                response = io.cancelled()
+        except _ChunkLost as exc:
+            response = self._chunk_lost(exc.__cause__)
+        except asyncio.CancelledError:
+            response = io.unloading().response()
+        except Exception:  # a bug must cost one stream, not the instance
+            self.metrics.request_done(None, "error", None)
+            self.log.error(f"describe stream failed:\n{self.scrub(traceback.format_exc())}")
+            response = io.internal().response()
+        finally:
+            cancelled.close()
+            self.watched.discard(cancelled)
+            stats.done(time.monotonic() - received)
+        if response is not None:
+            try:
+                await out.drain()  # nothing may follow the final response
+            except Exception:
+                pass
+            try:
+                await out.send([], error=response)
+            except Exception as exc:
+                self.log.error(f"could not send a response: {self.scrub(exc)}")
+
+    def _chunk_lost(self, failure):
+        """The stream's end after a DESCRIPTION chunk could not be sent: the text the
+        client joined has a hole, so it must not end as a whole description."""
+        self.log.error(f"a DESCRIPTION chunk could not be sent, the stream ends with an error: "
+                       f"{self.scrub(failure)}")
+        return io.internal("a DESCRIPTION chunk could not be sent: the text streamed is incomplete").response()
+
+    async def _watch_cancellations(self):
+        """Refresh every open stream's cancelled flag every cancel_poll_s, in a
+        sender thread: each is_cancelled() is a round trip to Triton, which the
+        loop must not wait on 500 times a poll."""
+        while True:
+            await asyncio.sleep(self.settings.cancel_poll_s)
+            open_streams = [watch for watch in self.watched if not watch.cancelled]
+            if open_streams:
+                try:
+                    await self.loop.run_in_executor(self.send_pool, _poll_cancelled, open_streams)
+                except Exception as exc:  # a failed poll must not end the polling
+                    self.log.error(f"cancellation poll failed: {self.scrub(exc)}")
+
+
+class PhotoStreamAdapter(StreamAdapter):
+    """A stream per photo (classify_and_describe_stream): its LABELS and
+    SCORES are asked of classify_model by BLS first."""
+
+    def take(self, request):
+        return io.read_photo_job(request, self.settings, self.request_models)
+
+    async def _labels(self, work, out):
+        # One executor thread classifies and sends the labels: no hop back to the loop between.
+        return await self.loop.run_in_executor(None, self._classify, work, out.sender)
+
+    def _classify(self, work, sender):
+        """On an executor thread: LABELS and SCORES of the photo from
+        classify_model (BLS), sent as the stream's first response; the Job.
+        Raises io.Reject with the classifier's own error (a photo that is not
+        one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
+        response = pb_utils.InferenceRequest(
+            model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
+            requested_output_names=["LABELS", "SCORES"]).exec()
+        if response.has_error():
+            error = response.error()
+            code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
+            raise io.Reject(error.message(), code)  # in the error contract already (image_preprocess)
+        labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
+        scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
+        try:
+            job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings)
+        except (io.InvalidInput, PromptError) as exc:
+            # The PROMPT passed these checks in execute(): what fails is the classifier's
+            # output (a bring-your-own one with long labels or NaN scores), the server's fault.
+            raise io.internal(f"the classifier {self.settings.classify_model!r} returned output the describe "
+                              f"step cannot use: {exc}") from None
+        sender.send(pb_utils.InferenceResponse(output_tensors=io.labels_tensors([job])))
+        return job
+
+
+class _Outbox:
+    """One stream's responses, sent in order from the sender threads so that the
+    loop never waits on Triton (each send is a round trip to the server).
+    Text that comes while an earlier send is still on its way goes out
+    together in the next response: under load a chunk holds several tokens
+    instead of the stream falling behind.
+
+    A chunk that could not be sent leaves a hole in the text: the first such
+    failure is kept, later text is dropped, and drain() raises _ChunkLost so the
+    stream ends with an error rather than as a whole description."""
+
+    def __init__(self, sender, loop, pool):
+        self.sender, self.loop, self.pool = sender, loop, pool
+        self.pending = []
+        self.flushing = None
+        self.text_responses = 0
+        self.failure = None  # the exception of the first DESCRIPTION send that failed
+
+    def text(self, text):
+        if self.failure is not None:
+            return
+        self.pending.append(text)
+        if self.flushing is None or self.flushing.done():
+            self.flushing = self.loop.create_task(self._flush())
+
+    async def _flush(self):
+        while self.pending:
+            text = "".join(self.pending)
+            self.pending.clear()
+            try:
+                await self.send([io.bytes_tensor("DESCRIPTION", [text])])
+            except Exception as exc:
+                self.failure = exc
+                self.pending.clear()
+                return
+            self.text_responses += 1
+
+    async def drain(self):
+        """Wait for the text sent so far; raises _ChunkLost if any of it was lost."""
+        if self.flushing is not None:
+            await self.flushing
+        if self.failure is not None:
+            raise _ChunkLost() from self.failure
+
+    async def send(self, tensors, final=False, error=None):
+        response = error if error is not None else pb_utils.InferenceResponse(output_tensors=tensors)
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final or error is not None else 0
+        await self.loop.run_in_executor(self.pool, functools.partial(self.sender.send, response, flags=flags))
+
+
+class _Watch:
+    """A stream's is_cancelled() as a flag the loop reads for free; the
+    adapter's watcher refreshes it (_poll_cancelled) until close().
+
+    close() comes before the stream's final response: asking Triton about a
+    request whose final response went out crashes the server (2.51 segfaults
+    in TRITONBACKEND_ResponseFactoryIsCancelled), so the lock keeps a poll
+    and the final send apart."""
+
+    def __init__(self, request):
+        self.request = request
+        self.cancelled = False
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def __call__(self):
+        return self.cancelled
+
+    def close(self):
+        with self.lock:  # waits for at most one poll in progress
+            self.closed = True
+
+
+def _poll_cancelled(watches):
+    for watch in watches:
+        with watch.lock:
+            if not watch.closed:
+                watch.cancelled = watch.request.is_cancelled()
+
+
+class _ChunkLost(Exception):
+    """A DESCRIPTION chunk could not be sent (the send's exception is the __cause__)."""

@@ -1,0 +1,176 @@
+"""Triton I/O of the openai_describe backend, shared by both ways to serve:
+requests read into Jobs (every refusal names its field), tensors written,
+errors answered in the error contract (error_contract.py), the log."""
+
+import base64
+import binascii
+import dataclasses
+import json
+import math
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import error_contract as contract
+from describer import Job
+from prompting import PromptError, read_labels, read_prompt
+from settings import InvalidOverride, Overrides
+
+
+class InvalidInput(ValueError):
+    def __init__(self, message, field):
+        super().__init__(message)
+        self.field = field  # the input tensor at fault
+
+
+# What execute() refuses (INVALID_ARG), each with the field it names.
+REFUSALS = (InvalidInput, PromptError, InvalidOverride)
+
+
+class Reject(Exception):
+    """A request ends with this Triton error; its message is in the error contract already."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+    def response(self):
+        return error_response(str(self), self.code)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhotoJob:
+    """A request to a model with classify_model: a Job once its photo is classified."""
+
+    image: np.ndarray  # the IMAGE input, copied out of the request
+    prompt: object     # the raw PROMPT element, or None
+    overrides: Overrides
+
+
+# -- requests in -------------------------------------------------------------------
+
+def read_jobs(request, settings, request_models):
+    """One Job per batch row; raises one of REFUSALS."""
+    labels = input_array(request, "LABELS")
+    scores = input_array(request, "SCORES")
+    if labels is None or scores is None:
+        raise InvalidInput("LABELS and SCORES are required", "LABELS" if labels is None else "SCORES")
+    prompts = input_array(request, "PROMPT")
+    if labels.shape != scores.shape or labels.ndim != 2 or labels.shape[1] == 0:
+        raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
+                           "must have the same non-empty shape", "LABELS")
+    overrides = settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+    jobs = [job_from(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
+                     overrides, settings)
+            for row in range(labels.shape[0])]
+    # Last, so that a request refused for another reason takes no place under the cap.
+    request_models.admit(overrides.model)
+    return jobs
+
+
+def read_photo_job(request, settings, request_models):
+    """A request to a model with classify_model (IMAGE, optional PROMPT): what
+    its Job needs besides the labels, checked now; raises one of REFUSALS."""
+    image = input_array(request, "IMAGE")
+    if image is None or image.size != 1:
+        raise InvalidInput("IMAGE is required: one encoded photo per request", "IMAGE")
+    prompts = input_array(request, "PROMPT")
+    prompt = prompts.reshape(-1)[0] if prompts is not None else None
+    read_prompt(prompt, settings.max_prompt_chars)
+    overrides = settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+    request_models.admit(overrides.model)
+    return PhotoJob(_photo(image), prompt, overrides)
+
+
+def job_from(labels, scores, raw_prompt, overrides, settings):
+    row_scores = tuple(float(x) for x in scores)
+    if not all(math.isfinite(x) for x in row_scores):
+        raise InvalidInput("SCORES must be finite", "SCORES")
+    prompt = read_prompt(raw_prompt, settings.max_prompt_chars)
+    return Job(labels=read_labels(labels, settings), scores=row_scores,
+               prompt=prompt or settings.default_prompt, overrides=overrides)
+
+
+def input_array(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _photo(image):
+    """IMAGE as sent, or decoded when it is base64 text: HTTP generate_stream
+    takes JSON only, where a photo can only travel as base64. A photo's own
+    bytes are never all base64 characters, so nothing else is decoded."""
+    raw = image.reshape(-1)[0]
+    if isinstance(raw, (bytes, bytearray)) and raw:
+        try:
+            decoded = base64.b64decode(bytes(raw), validate=True)
+        except binascii.Error:
+            return image
+        return np.array([[decoded]], dtype=np.object_)
+    return image
+
+
+def config_parameters(model_config):
+    """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
+    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+
+
+# -- responses out -------------------------------------------------------------------
+
+def labels_tensors(jobs):
+    return [pb_utils.Tensor("LABELS", np.array([[x.encode("utf-8") for x in job.labels] for job in jobs],
+                                               dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([job.scores for job in jobs], dtype=np.float32))]
+
+
+def bytes_tensor(name, texts):
+    return pb_utils.Tensor(name, np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))
+
+
+def error_response(message, code):
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def refused(exc):
+    """The INVALID_ARG response for one of REFUSALS, naming its field."""
+    code = contract.INVALID_PARAMETER if isinstance(exc, InvalidOverride) else contract.INVALID_INPUT
+    return error_response(contract.tagged(code, str(exc), exc.field), pb_utils.TritonError.INVALID_ARG)
+
+
+def upstream_failed(reason):
+    """on_failure=error: the caller asked for an error instead of a fallback."""
+    return error_response(contract.tagged(contract.UPSTREAM_UNAVAILABLE, f"the LLM upstream could not answer ({reason})"),
+                          pb_utils.TritonError.UNAVAILABLE)
+
+
+def unloading():
+    return Reject(contract.tagged(contract.MODEL_UNLOADING, "the model is unloading"), pb_utils.TritonError.UNAVAILABLE)
+
+
+def cancelled():
+    return error_response(contract.tagged(contract.REQUEST_CANCELLED, "request cancelled"),
+                          pb_utils.TritonError.CANCELLED)
+
+
+def internal(text="internal error in the describe step"):
+    return Reject(contract.tagged(contract.INTERNAL, text), pb_utils.TritonError.INTERNAL)
+
+
+def send_final(request, response):
+    request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class Log:
+    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
+
+    def __init__(self, model_name):
+        self.prefix = f"[{model_name}] "
+
+    def info(self, message):
+        pb_utils.Logger.log_info(self.prefix + message)
+
+    def warn(self, message):
+        pb_utils.Logger.log_warn(self.prefix + message)
+
+    def error(self, message):
+        pb_utils.Logger.log_error(self.prefix + message)

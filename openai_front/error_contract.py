@@ -1,0 +1,1 @@
+../backends/openai_describe/error_contract.py
