@@ -9,8 +9,8 @@ by Triton's own onnxruntime backend with the TensorRT execution accelerator
 at max_batch_size is added, so the engine is built at load, not in a request),
 one KIND_GPU instance without a rate_limiter, and no Python-backend
 parameters. The graph itself normalises the uint8 pixels and names the top-k classes, so the
-ensembles need no other change. A classifier switched to another backend (the
-TorchScript one, README: Bring your own model) keeps its config with one KIND_GPU
+ensembles need no other change. A classifier switched to another runtime or backend
+(runtime "torchscript", README: Bring your own model) keeps its config with one KIND_GPU
 instance instead. `tritonserver --model-config-name=gpu`
 (deploy/overlays/gpu) loads it instead of config.pbtxt. Run by `make build`
 and the Dockerfile; never edit the output.
@@ -62,14 +62,15 @@ def gpu_config(cpu_text):
     config = text_format.Parse(cpu_text, model_config_pb2.ModelConfig())
     del config.instance_group[:]
     config.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
-    if config.backend != "onnx_classifier":
-        # Another backend (torchscript_classifier for a bring-your-own model) runs on
+    runtime = config.parameters["runtime"].string_value if "runtime" in config.parameters else ""
+    if config.backend != "image_classifier" or runtime != "onnxruntime":
+        # The torchscript runtime (a bring-your-own model) or another backend runs on
         # the GPU itself: only the instance kind changes.
         return config
     config.ClearField("backend")
     config.platform = "onnxruntime_onnx"
     config.default_model_filename = GPU_MODEL_FILE
-    config.parameters.clear()  # the Python backend's (model_file, threads); onnxruntime has its own
+    config.parameters.clear()  # the Python backend's (runtime, model_file, threads); onnxruntime has its own
     tensorrt = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
     # Without an explicit profile, TensorRT builds one for the shapes it has seen and
     # rebuilds (seconds to minutes, inside a request) when a larger batch comes: one

@@ -54,7 +54,7 @@ def first_party(names):
 
 
 def test_the_layout_has_the_folders_the_rules_name():
-    assert BACKENDS and {"openai_describe", "image_preprocess", "torchscript_classifier"} <= {b.name for b in BACKENDS}
+    assert BACKENDS and {"openai_describe", "image_preprocess", "image_classifier"} <= {b.name for b in BACKENDS}
     for folder in ("serving", "tools", "scripts", "tests", "classify_describe", "model_repository", "openai_front"):
         assert (REPO / folder).is_dir(), folder
 

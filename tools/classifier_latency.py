@@ -1,9 +1,9 @@
 """In-process latency of the classifier runtimes and of the decode, side by side.
 
 The runtimes (same weights, same crops, one thread, batch 1 and the batch sizes the
-classifier's dynamic batcher forms): the TorchScript file with its backend's code
-(backends/torchscript_classifier/classifier.py), and the ONNX fp32 and int8 graphs
-with theirs (backends/onnx_classifier/ort_classifier.py). Each round runs every
+classifier's dynamic batcher forms): the TorchScript file and the ONNX fp32 and int8
+graphs, each with the backend's code for its runtime
+(backends/image_classifier/classifier_runtime.py). Each round runs every
 runtime once per batch size, in turn, so a neighbour's load on a shared machine
 falls on all of them; the figure is the median over rounds of ms per image.
 
@@ -42,13 +42,12 @@ def runtimes(threads):
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
-    ts = load("torchscript_classifier", "classifier")
-    ort = load("onnx_classifier", "ort_classifier")
-    torchscript = ts.TorchScriptClassifier(MODEL_DIR / "1/model.pt", ts.load_labels(MODEL_DIR / "labels.txt"),
-                                           [3, 224, 224], top_k=5)
+    runtime = load("image_classifier", "classifier_runtime")
+    torchscript = runtime.TorchScriptClassifier(MODEL_DIR / "1/model.pt", runtime.load_labels(MODEL_DIR / "labels.txt"),
+                                                [3, 224, 224], top_k=5)
 
     def onnx(file_name):
-        return ort.OnnxClassifier(MODEL_DIR / "1" / file_name, "PIXELS", [3, 224, 224], np.uint8,
+        return runtime.OnnxClassifier(MODEL_DIR / "1" / file_name, "PIXELS", [3, 224, 224], np.uint8,
                                   "SCORES", "LABELS", 5, intra_op_threads=threads)
 
     return {"torchscript": torchscript.classify, "onnx_fp32": onnx("model.onnx").classify,

@@ -37,10 +37,11 @@ def before_models(repository):
     preprocess.output[0].data_type = model_config.model_config_pb2.TYPE_FP32
     preprocess.parameters["jpeg_draft"].string_value = "false"
     classifier = model_config.read(repository / "classifier" / "config.pbtxt")
-    classifier.name, classifier.backend = "classifier_before", "torchscript_classifier"
+    classifier.name = "classifier_before"
     classifier.input[0].data_type = model_config.model_config_pb2.TYPE_FP32
     classifier.parameters.clear()
-    for key, value in {"model_file": "model.pt", "labels_file": "labels.txt", "torch_num_threads": "1"}.items():
+    for key, value in {"runtime": "torchscript", "model_file": "model.pt", "labels_file": "labels.txt",
+                       "torch_num_threads": "1"}.items():
         classifier.parameters[key].string_value = value
     for warmup in classifier.model_warmup:
         for tensor in warmup.inputs.values():

@@ -1,9 +1,11 @@
 """Every classifier runtime the repository ships serves through the real server:
 the committed `classifier` (ONNX fp32), the same config switched to the int8 file,
-and switched to the TorchScript backend (the bring-your-own path the README
-describes). Each variant is loaded beside the committed models on the session's
-copy of the repository, fed the uint8 pixels of the server's own preprocess over
-HTTP and gRPC, and must answer as the in-process eager reference does."""
+and switched to the torchscript runtime (the bring-your-own path the README
+describes): one backend, image_classifier, and its `runtime` parameter. Each
+variant is loaded beside the committed models on the session's copy of the
+repository, fed the uint8 pixels of the server's own preprocess over HTTP and
+gRPC, and must answer as the in-process eager reference does. A config with no
+usable runtime fails its load with what to fix."""
 
 import os
 import shutil
@@ -13,26 +15,27 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tools import model_config
 from tools.reference import reference_top5
 
 from .raw_infer import bytes_tensor, http_infer
 
-# name -> (backend, parameters, file in the version folder): the README's switch.
+# name -> (parameters, file in the version folder): the README's switch.
 VARIANTS = {
-    "classifier_int8": ("onnx_classifier", {"model_file": "model.int8.onnx", "intra_op_threads": "1"},
+    "classifier_int8": ({"runtime": "onnxruntime", "model_file": "model.int8.onnx", "intra_op_threads": "1"},
                         "model.int8.onnx"),
-    "classifier_torchscript": ("torchscript_classifier", {"model_file": "model.pt", "labels_file": "labels.txt",
-                                                          "torch_num_threads": "1"}, "model.pt"),
+    "classifier_torchscript": ({"runtime": "torchscript", "model_file": "model.pt", "labels_file": "labels.txt",
+                                "torch_num_threads": "1"}, "model.pt"),
 }
 PROTOCOLS = {"http": httpclient, "grpc": grpcclient}
 
 
-def variant_config(name, backend, parameters):
-    """The committed classifier config with another name, backend and parameters, one instance."""
+def variant_config(name, parameters):
+    """The committed classifier config with another name and parameters, one instance."""
     config = model_config.read(model_config_path())
-    config.name, config.backend = name, backend
+    config.name = name
     config.parameters.clear()
     for key, value in parameters.items():
         config.parameters[key].string_value = value
@@ -51,12 +54,12 @@ def variants(triton):
     admin = httpclient.InferenceServerClient(triton.http_url)
     source = triton.repository / "classifier"
     try:
-        for name, (backend, parameters, file_name) in VARIANTS.items():
+        for name, (parameters, file_name) in VARIANTS.items():
             folder = triton.repository / name
             (folder / "1").mkdir(parents=True)
             os.symlink(source / "1" / file_name, folder / "1" / file_name)
             os.symlink(source / "labels.txt", folder / "labels.txt")
-            (folder / "config.pbtxt").write_text(variant_config(name, backend, parameters))
+            (folder / "config.pbtxt").write_text(variant_config(name, parameters))
             admin.load_model(name, headers=triton.admin_headers)
             assert admin.is_model_ready(name), name
         yield list(VARIANTS)
@@ -64,9 +67,12 @@ def variants(triton):
         for name in VARIANTS:
             if admin.is_model_ready(name):
                 admin.unload_model(name, headers=triton.admin_headers)
+        # Not ready as soon as the unload starts; the server (strict readiness) is unready until
+        # their stubs have exited, which takes seconds on a busy CPU: the next module must find it ready.
         deadline = time.monotonic() + 60
-        while any(admin.is_model_ready(name) for name in VARIANTS) and time.monotonic() < deadline:
+        while not admin.is_server_ready() and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert not any(admin.is_model_ready(name) for name in VARIANTS) and admin.is_server_ready()
         for name in VARIANTS:
             shutil.rmtree(triton.repository / name, ignore_errors=True)
         admin.close()
@@ -112,6 +118,34 @@ def test_every_runtime_answers_like_the_eager_reference(triton, variants, pixels
 
 def test_the_committed_classifier_serves_onnx_fp32(triton):
     config = httpclient.InferenceServerClient(triton.http_url).get_model_config("classifier")
-    assert config["backend"] == "onnx_classifier"
+    assert config["backend"] == "image_classifier"
+    assert config["parameters"]["runtime"]["string_value"] == "onnxruntime"
     assert config["parameters"]["model_file"]["string_value"] == "model.onnx"
     assert config["input"][0]["data_type"] == "TYPE_UINT8"
+
+
+def test_a_config_without_a_usable_runtime_fails_its_load_and_says_what_to_fix(triton):
+    admin = httpclient.InferenceServerClient(triton.http_url)
+    name = "classifier_bad_runtime"
+    folder = triton.repository / name
+    try:
+        (folder / "1").mkdir(parents=True)
+        os.symlink(triton.repository / "classifier" / "1" / "model.onnx", folder / "1" / "model.onnx")
+        (folder / "config.pbtxt").write_text(variant_config(name, {"runtime": "tensorrt"}))
+        with pytest.raises(InferenceServerException) as caught:
+            admin.load_model(name, headers=triton.admin_headers)
+        assert 'parameter runtime is \'tensorrt\': set it to "onnxruntime" or "torchscript"' in str(caught.value)
+        assert not admin.is_model_ready(name) and not admin.is_server_ready()
+        # The fix the message names loads it (and a model that failed its load keeps the server
+        # unready until it loads: unloading it is not enough in Triton 2.51).
+        (folder / "config.pbtxt").write_text(variant_config(name, {"runtime": "onnxruntime"}))
+        admin.load_model(name, headers=triton.admin_headers)
+        assert admin.is_model_ready(name) and admin.is_server_ready()
+        admin.unload_model(name, headers=triton.admin_headers)
+        deadline = time.monotonic() + 60  # unready while the instances unload
+        while not admin.is_server_ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert admin.is_server_ready() and not admin.is_model_ready(name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        admin.close()

@@ -11,7 +11,6 @@ import pytest
 from tools import backend_code, model_config
 from tools.bench import run
 
-BACKEND_LOGIC = {"onnx_classifier": "ort_classifier", "torchscript_classifier": "classifier"}
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classifier/config.pbtxt"
 
 
@@ -44,7 +43,8 @@ def test_every_variant_renders_a_config_that_parses(shipped, name):
     run.describe_classifier_config(config)
     parameters = {key: value.string_value for key, value in
                   model_config.parse(model_config.render(config)).parameters.items()}
-    backend_code.load(config.backend, BACKEND_LOGIC[config.backend]).parse_settings(parameters)
+    assert config.backend == "image_classifier"
+    backend_code.load(config.backend, "classifier_runtime").parse_settings(parameters)
 
 
 def test_labels_name_the_policy(shipped):

@@ -383,7 +383,7 @@ def test_reduced_scale_pixels_match_the_full_decode(preprocessor, phone_photo):
     drafted = preprocessor(phone_photo).astype(int)
     full = ImagePreprocessor(PreprocessSettings(jpeg_draft=False))(phone_photo).astype(int)
     # The DCT-domain downscale differs from bicubic over the full image by a grey level or two;
-    # the classifier's top-5 is the same (tests/unit/test_onnx_classifier.py).
+    # the classifier's top-5 is the same (tests/unit/test_image_classifier.py).
     assert np.abs(drafted - full).mean() < 2.0
 
 

@@ -35,17 +35,13 @@ BARRIER_TIMEOUT_S = 300  # a worker that died leaves the others waiting at most 
 # -- runtimes: name -> how to build a classify(pixels) callable in a worker ---------------------
 
 def _torchscript(repository, threads):
-    import torch
-
     from tools.backend_code import load
 
-    classifier = load("torchscript_classifier", "classifier")
-    # As backends/torchscript_classifier/model.py does with torch_num_threads.
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(1)
+    runtime = load("image_classifier", "classifier_runtime")
     model_dir = repository / "classifier"
-    model = classifier.TorchScriptClassifier(torchscript_file(repository), classifier.load_labels(
-        model_dir / "labels.txt"), [3, 224, 224], top_k=5)
+    # threads: as the torchscript runtime sets torch_num_threads (and one inter-op thread).
+    model = runtime.TorchScriptClassifier(torchscript_file(repository), runtime.load_labels(
+        model_dir / "labels.txt"), [3, 224, 224], top_k=5, threads=threads)
     return model.classify
 
 
@@ -54,35 +50,37 @@ def torchscript_file(repository):
 
 
 def _onnx(model_file):
-    """backends/onnx_classifier on `model_file` of the classifier's version folder, with the tensors
-    of the repository's classifier config, or the ones that backend's config declares by default."""
+    """The onnxruntime runtime of backends/image_classifier on `model_file` of the classifier's version
+    folder, with the tensors of the repository's classifier config, or the ones the ONNX config declares
+    by default."""
     def build(repository, threads):
         import numpy as np
         from tritonclient.grpc import model_config_pb2
 
         from tools.backend_code import load
 
-        ort_classifier = load("onnx_classifier", "ort_classifier")
+        runtime = load("image_classifier", "classifier_runtime")
         config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
-        if config.backend == "onnx_classifier":
+        parameters = config.parameters
+        if config.backend == "image_classifier" and "runtime" in parameters and \
+                parameters["runtime"].string_value == "onnxruntime":
             pixels = config.input[0]
             name, dims, top_k = pixels.name, list(pixels.dims), {o.name: o for o in config.output}["SCORES"].dims[0]
             dtype = np.dtype({model_config_pb2.TYPE_UINT8: np.uint8, model_config_pb2.TYPE_FP32: np.float32}[
                 pixels.data_type])
-        else:  # the classifier serves another backend: the graph's own input
+        else:  # the classifier serves another runtime: the graph's own input
             name, dims, dtype, top_k = "PIXELS", [3, 224, 224], np.dtype(np.uint8), 5
-        classifier = ort_classifier.OnnxClassifier(
+        classifier = runtime.OnnxClassifier(
             pathlib.Path(repository) / "classifier/1" / model_file, name, dims, dtype, "SCORES", "LABELS", top_k,
             intra_op_threads=threads)
-        # As the backend's model.py does with a batch: the config's input type.
-        return lambda batch: classifier.classify(batch.astype(dtype, copy=False))
+        return classifier.classify  # casts a batch to the config's input type, as in the server
     return build
 
 
 def _onnx_file(model_file):
     def path(repository):
         # Only where the build has the backend too (branches before it have neither).
-        backend = REPO / "backends/onnx_classifier/ort_classifier.py"
+        backend = REPO / "backends/image_classifier/classifier_runtime.py"
         return pathlib.Path(repository) / "classifier/1" / model_file if backend.is_file() else backend
     return path
 
@@ -103,15 +101,15 @@ def available_runtimes(repository):
 def served_runtime(repository):
     """The runtime the repository's `classifier` model serves with."""
     config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
-    if config.backend == "torchscript_classifier":
-        return "torchscript"
-    if config.backend == "onnx_classifier":
+    if config.backend == "image_classifier":
         from tools.backend_code import load
 
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        model_file = load("onnx_classifier", "ort_classifier").parse_settings(parameters).model_file
+        settings = load("image_classifier", "classifier_runtime").parse_settings(parameters)
+        if settings.runtime == "torchscript":
+            return "torchscript"
         for name, (_, needs, _) in RUNTIMES.items():
-            if name.startswith("onnx") and needs(repository).name == model_file:
+            if name.startswith("onnx") and needs(repository).name == settings.model_file:
                 return name
     raise ValueError(f"no in-process runtime for the classifier's backend {config.backend!r}")
 

@@ -274,12 +274,12 @@ def classifier_threads(config):
     return int(config.parameters[key].string_value or 1) if key in config.parameters else 1
 
 
-# The per-instance thread count parameter of each classifier backend.
-THREAD_PARAMETERS = {"torchscript_classifier": "torch_num_threads", "onnx_classifier": "intra_op_threads"}
+# The per-instance thread count parameter of each runtime of the classifier backend (image_classifier).
+THREAD_PARAMETERS = {"torchscript": "torch_num_threads", "onnxruntime": "intra_op_threads"}
 
 
 def thread_parameter(config):
-    return THREAD_PARAMETERS[config.backend]
+    return THREAD_PARAMETERS[config.parameters["runtime"].string_value]
 
 
 def describe_classifier_config(config):

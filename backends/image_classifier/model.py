@@ -1,18 +1,17 @@
-"""Triton adapter for classifier.py: PIXELS (RGB 0..255) -> LABELS (top-k class names), SCORES (probabilities).
+"""Triton adapter for classifier_runtime.py: PIXELS -> LABELS (top-k class names), SCORES (probabilities).
 
-Owns the tensor names and every pb_utils call. All requests of a dynamic batch go through
-one forward pass; a request with unusable pixels fails alone.
+Owns the tensor names and every pb_utils call; the `runtime` parameter (onnxruntime or
+torchscript) is read once at load. All requests of a dynamic batch go through one run;
+a request with unusable pixels fails alone.
 """
 
 import json
-import os
 import traceback
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
-from classifier import ConfigError, TorchScriptClassifier, load_labels, parse_settings
+from classifier_runtime import ConfigError, Tensors, load, parse_settings
 
 INPUT_NAME = "PIXELS"
 LABELS_NAME = "LABELS"
@@ -30,50 +29,31 @@ class TritonPythonModel:
         self.log = _Log(self.model_name)
         model_config = json.loads(args["model_config"])
         try:
-            self.classifier = self._load(args, model_config)
+            settings = parse_settings(config_parameters(model_config))
+            tensors = self._tensors(model_config)
+            device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else "cpu"
+            # In the Python backend "model_repository" is this model's own folder
+            # (model_repository/<name>), and pb_utils.get_model_dir() does not exist in 2.51.
+            self.classifier = load(settings, args["model_repository"], args["model_version"], tensors, device)
         except ConfigError as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
-        self.log.info(
-            f"ready: {len(self.classifier.labels)} classes, "
-            f"top {self.classifier.top_k}, device {self.classifier.device}, {torch.get_num_threads()} threads"
-        )
+        self.log.info(f"ready: {settings.model_file}, runtime {settings.runtime}, top {self.classifier.top_k}, "
+                      f"{self.classifier.details}")
 
-    def _load(self, args, model_config):
-        settings = parse_settings(config_parameters(model_config))
-        # A model that sets few threads should not have torch's pool take every core:
-        # on a small CPU the preprocess model and the server need some too.
-        torch.set_num_threads(settings.torch_num_threads)
-        try:
-            torch.set_num_interop_threads(1)  # only one op runs at a time in a traced forward
-        except RuntimeError:
-            pass  # already set in this process; harmless
-
+    def _tensors(self, model_config):
         pixels_config = pb_utils.get_input_config_by_name(model_config, INPUT_NAME)
         labels_config = pb_utils.get_output_config_by_name(model_config, LABELS_NAME)
         scores_config = pb_utils.get_output_config_by_name(model_config, SCORES_NAME)
         if pixels_config is None or labels_config is None or scores_config is None:
             raise ConfigError(f"config.pbtxt needs input {INPUT_NAME} and outputs {LABELS_NAME}, {SCORES_NAME}")
-        input_shape = list(pixels_config["dims"])
+        input_shape = tuple(pixels_config["dims"])
         if any(d <= 0 for d in input_shape):
-            raise ConfigError(f"input {INPUT_NAME} needs fixed dims for the load-time check, got {input_shape}")
+            raise ConfigError(f"input {INPUT_NAME} needs fixed dims for the load-time check, got {list(input_shape)}")
         if labels_config["dims"] != scores_config["dims"] or len(labels_config["dims"]) != 1:
             raise ConfigError(f"outputs {LABELS_NAME} and {SCORES_NAME} must both have dims [k]")
-        k = labels_config["dims"][0]
-        top_k = settings.top_k if k == -1 else k
         self.scores_dtype = pb_utils.triton_string_to_numpy(scores_config["data_type"])
-
-        # In the Python backend "model_repository" is this model's own folder
-        # (model_repository/<name>), and pb_utils.get_model_dir() does not exist in 2.51.
-        model_dir = args["model_repository"]
-        version_dir = os.path.join(model_dir, args["model_version"])
-        device = "cpu"
-        if args.get("model_instance_kind") == "GPU":
-            device = f"cuda:{args['model_instance_device_id']}"
-        labels = load_labels(os.path.join(model_dir, settings.labels_file))
-        return TorchScriptClassifier(
-            os.path.join(version_dir, settings.model_file), labels, input_shape, top_k, device,
-            mean=settings.mean, std=settings.std,
-        )
+        input_dtype = np.dtype(pb_utils.triton_string_to_numpy(pixels_config["data_type"]))
+        return Tensors(INPUT_NAME, input_shape, input_dtype, SCORES_NAME, LABELS_NAME, labels_config["dims"][0])
 
     def execute(self, requests):
         responses = [None] * len(requests)
@@ -88,9 +68,9 @@ class TritonPythonModel:
         if batches:
             try:
                 labels, scores = self.classifier.classify(np.concatenate([pixels for _, pixels in batches]))
-            except Exception:  # a bug or a device failure: the traceback goes to the log, not to the clients
-                self.log.error(f"forward failed:\n{traceback.format_exc()}")
-                internal = "internal error in the classifier forward pass"
+            except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
+                self.log.error(f"inference failed:\n{traceback.format_exc()}")
+                internal = "internal error in the classifier"
                 for index, _ in batches:
                     responses[index] = _error_response(internal, pb_utils.TritonError.INTERNAL)
                 return responses
