@@ -11,7 +11,7 @@ labels.txt, which this script bakes into the graph):
                      x86-64 CPU, with or without VNNI (WEIGHT_LIMIT below)
 
 Both graphs are self-contained, one tensor in and two out, so the same file
-serves in backends/onnx_classifier and in Triton's own onnxruntime backend:
+serves in backends/image_classifier (runtime onnxruntime) and in Triton's own onnxruntime backend:
   PIXELS  UINT8 [N,3,224,224]  RGB 0..255 from preprocess; normalised inside
                                ((x - 127) / 128, the weights' own transform)
   SCORES  FP32 [N,5]           softmax probabilities, highest first
