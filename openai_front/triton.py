@@ -47,7 +47,7 @@ def request_parameters(chat_request):
     """The Triton request parameters of one chat.ChatRequest: the sampling
     overrides; the client's system messages and earlier turns as `conversation`
     and its response_format as `response_format`, each a JSON string, sent only
-    when there is one (the describe step's contract: docs/DESIGN.md#the-openai-front)."""
+    when there is one (the describe step's contract: docs/DESIGN.md)."""
     parameters = dict(chat_request.parameters)
     if chat_request.conversation:
         parameters["conversation"] = _json(list(chat_request.conversation))
