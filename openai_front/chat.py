@@ -1,19 +1,53 @@
 """A chat-completions request body -> what the pipeline needs: the image
 (bytes from a data: URI, or an allowlisted http(s) URL to fetch), the prompt
-(the text parts of the last user message) and the sampling overrides the
-describe step accepts. Pure: no I/O, no Triton."""
+(the text parts of the last user message), the client's system messages and
+earlier turns (text only), response_format and the sampling overrides the
+describe step accepts; every other field is refused by name. Pure: no I/O,
+no Triton."""
 
 import base64
 import binascii
 import dataclasses
 import ipaddress
+import json
 import math
+import re
 import urllib.parse
 
 from .errors import FrontError, invalid, too_large
 
 MAX_TOKENS_LIMIT = 2**31 - 1  # far above any model's output; the describe step then applies its own limit
 DEFAULT_PORTS = (80, 443)     # the only ports of an allowlisted host, unless an entry says host:port
+# The describe step's bounds on the client's earlier messages (its `conversation`
+# parameter), checked here too so a request is refused before it costs a classification.
+MAX_CONVERSATION_MESSAGES = 32
+MAX_CONVERSATION_CHARS = 32_000   # their text in all; also the bound on response_format's JSON
+
+# Every top-level field is honoured, accepted with the one value the pipeline
+# gives anyway, accepted and ignored (OpenAI's own bookkeeping, which does not
+# change the answer), or refused by name: nothing a client relies on is dropped
+# in silence, and a field OpenAI adds later is refused until it is listed here.
+# A field sent as null counts as absent (OpenAI's own reading of null).
+HONOURED = frozenset({"model", "messages", "stream", "stream_options", "temperature", "max_tokens",
+                      "max_completion_tokens", "response_format"})
+ONLY = {"n": 1, "logprobs": False, "modalities": ["text"], "store": False}
+IGNORED = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata"})
+_NO_TOOLS = "this endpoint describes a photo and calls no tools"
+_NOT_PASSED = "the describe step passes only temperature and max_tokens to the LLM"
+REFUSED = {
+    "tools": _NO_TOOLS, "tool_choice": _NO_TOOLS, "parallel_tool_calls": _NO_TOOLS,
+    "functions": _NO_TOOLS, "function_call": _NO_TOOLS,
+    "top_logprobs": "the pipeline returns no log probabilities",
+    "audio": "the answer is text only", "prediction": "predicted outputs are not passed to the LLM",
+    "web_search_options": "the LLM searches nothing",
+    **{name: _NOT_PASSED for name in ("top_p", "stop", "seed", "frequency_penalty", "presence_penalty",
+                                      "logit_bias", "reasoning_effort", "verbosity")},
+}
+WHY_ONLY = {"n": "one image, one description", "logprobs": "the pipeline returns no log probabilities",
+            "modalities": "the answer is text only", "store": "this endpoint stores no completion"}
+# Message roles: system and developer (OpenAI's newer name for it) go to the LLM as system.
+CONVERSATION_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_JSON_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,28 +58,24 @@ class ChatRequest:
     prompt: str = None           # None: the describe step's default question
     stream: bool = False
     include_usage: bool = False
-    parameters: dict = dataclasses.field(default_factory=dict)  # Triton request parameters
+    parameters: dict = dataclasses.field(default_factory=dict)  # the sampling overrides, as Triton request parameters
+    # The client's system messages and earlier turns, in order, text only:
+    # ({"role": "system"|"user"|"assistant", "content": text}, ...).
+    conversation: tuple = ()
+    response_format: dict = None  # json_object or json_schema, as the client sent it; None: text
 
 
 def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addresses=False):
     """Validate one decoded JSON body; raise FrontError (4xx) naming the field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    check_fields(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required: a string, e.g. 'classify_and_describe' (GET /v1/models lists them)",
                       param="model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' must be a non-empty array", param="messages")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise invalid(f"messages[{index}] must be an object with a 'role'", param=f"messages[{index}]")
-    user = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not user:
-        raise invalid("no message has role 'user': the last user message carries the image", param="messages")
-    index = user[-1]
-    prompt, image_url = _user_content(messages[index].get("content"), f"messages[{index}].content")
+    conversation, index = _conversation(body.get("messages"))
+    prompt, image_url = _user_content(body["messages"][index].get("content"), f"messages[{index}].content")
 
     stream = body.get("stream", False)
     if stream is None:
@@ -59,12 +89,15 @@ def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addres
             raise invalid("'stream_options' is only allowed when 'stream' is true", param="stream_options")
         if not isinstance(options, dict):
             raise invalid("'stream_options' must be an object", param="stream_options")
+        for key in sorted(options.keys() - {"include_usage"}):
+            if options[key] is not None:
+                raise unsupported(f"'stream_options.{key}' is not supported: only include_usage",
+                                  f"stream_options.{key}")
         include_usage = options.get("include_usage", False)
+        if include_usage is None:
+            include_usage = False
         if not isinstance(include_usage, bool):
             raise invalid("'stream_options.include_usage' must be true or false", param="stream_options.include_usage")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise invalid("only n=1 is supported: one image, one description", param="n")
 
     image = None
     if image_url.startswith("data:"):
@@ -74,7 +107,149 @@ def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addres
         check_remote_url(image_url, url_allowlist, param=f"messages[{index}].content",
                          allow_private_addresses=allow_private_addresses)
     return ChatRequest(model=model, image=image, image_url=image_url, prompt=prompt, stream=stream,
-                       include_usage=include_usage, parameters=_sampling(body))
+                       include_usage=include_usage, parameters=_sampling(body), conversation=conversation,
+                       response_format=_response_format(body.get("response_format")))
+
+
+def unsupported(message, param, code="unsupported_parameter"):
+    return invalid(message, param=param, code=code)
+
+
+def check_fields(body):
+    """Refuse, by name, every top-level field the pipeline cannot honour."""
+    for name, value in body.items():
+        if value is None or name in HONOURED or name in IGNORED:
+            continue
+        if name in ONLY:
+            allowed = ONLY[name]
+            if type(value) is not type(allowed) or value != allowed:
+                raise unsupported(f"only {name}={json.dumps(allowed)} is supported: {WHY_ONLY[name]}", name,
+                                  code="unsupported_value")
+        elif name in REFUSED:
+            raise unsupported(f"'{name}' is not supported: {REFUSED[name]}", name)
+        else:
+            raise unsupported(f"unknown field '{name[:60]}': this endpoint refuses what it cannot honour "
+                              "(the README lists the fields it takes)", name[:60])
+
+
+def _conversation(messages):
+    """(the messages before the last user message as the describe step's
+    conversation, the index of the last user message: the photo and question)."""
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty array", param="messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"messages[{index}] must be an object with a 'role'", param=f"messages[{index}]")
+        role = message["role"]
+        if role in ("tool", "function"):
+            raise unsupported(f"messages[{index}] has role '{role}': {_NO_TOOLS}", f"messages[{index}].role")
+        if role not in CONVERSATION_ROLES:
+            raise invalid(f"messages[{index}] has role {role[:40]!r}: only system, developer, user and assistant",
+                          param=f"messages[{index}].role")
+        for key in sorted(message.keys() - {"role", "content"}):
+            if message[key] is not None:
+                why = _NO_TOOLS if key in ("tool_calls", "function_call") else "only 'role' and 'content' reach the LLM"
+                raise unsupported(f"'messages[{index}].{key[:40]}' is not supported: {why}",
+                                  f"messages[{index}].{key[:40]}")
+    user = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not user:
+        raise invalid("no message has role 'user': the last user message carries the image", param="messages")
+    last = user[-1]
+    if last != len(messages) - 1:
+        raise invalid(f"messages[{last + 1}] comes after the last user message, which carries the photo and must "
+                      "be the last message", param=f"messages[{last + 1}]")
+    conversation = tuple({"role": CONVERSATION_ROLES[m["role"]], "content": _text_content(m.get("content"), i)}
+                         for i, m in enumerate(messages[:last]))
+    if len(conversation) > MAX_CONVERSATION_MESSAGES:
+        raise invalid(f"{len(conversation)} messages come before the last user message, more than the "
+                      f"{MAX_CONVERSATION_MESSAGES} allowed", param="messages")
+    chars = sum(len(m["content"]) for m in conversation)
+    if chars > MAX_CONVERSATION_CHARS:
+        raise invalid(f"the messages before the last user message hold {chars} characters, more than the "
+                      f"{MAX_CONVERSATION_CHARS} allowed", param="messages")
+    return conversation, last
+
+
+def _text_content(content, index):
+    """The text of a message before the last user one: a string, or text parts
+    (joined by newlines). Only the last user message may carry the photo."""
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return _valid_text(content, param)
+    if not isinstance(content, list):
+        raise invalid("'content' must be a string or an array of text parts", param=param)
+    texts = []
+    for position, part in enumerate(content):
+        where = f"{param}[{position}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            raise unsupported("only the last user message may carry an image (the photo); an earlier message "
+                              "cannot", where)
+        if kind != "text":
+            raise invalid(f"unsupported content part type {kind!r} in an earlier message: only 'text'", param=where)
+        texts.append(_text_part(part, where))
+    return "\n".join(texts)
+
+
+def _text_part(part, where):
+    if not isinstance(part.get("text"), str):
+        raise invalid("a text part needs 'text', a string", param=where)
+    return _valid_text(part["text"], where)
+
+
+def _valid_text(text, where):
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's \ud800 escapes decode to lone surrogates
+        raise invalid("a text part is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
+                      param=where) from None
+    return text
+
+
+def _response_format(value):
+    """None for text (the describe step's default), else the object to pass
+    on: {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("'response_format' must be an object with a 'type'", param="response_format")
+    kind = value.get("type")
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(kind)
+    if allowed is None:
+        raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                      param="response_format.type")
+    for key in sorted(value.keys() - allowed):
+        raise invalid(f"'response_format.{key[:40]}' is not part of a {kind} response_format",
+                      param=f"response_format.{key[:40]}")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        _json_schema(value.get("json_schema"))
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid("'response_format' is not valid Unicode: it holds a lone surrogate",
+                      param="response_format") from None
+    if len(text) > MAX_CONVERSATION_CHARS:
+        raise invalid(f"'response_format' is {len(text)} characters of JSON, more than the {MAX_CONVERSATION_CHARS} "
+                      "allowed", param="response_format")
+    return value
+
+
+def _json_schema(spec):
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise invalid(f"'{param}' must be an object with a 'name' (and a 'schema')", param=param)
+    for key in sorted(spec.keys() - {"name", "description", "schema", "strict"}):
+        raise invalid(f"'{param}.{key[:40]}' is not part of a json_schema", param=f"{param}.{key[:40]}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _JSON_SCHEMA_NAME.fullmatch(name):
+        raise invalid(f"'{param}.name' must be 1 to 64 letters, digits, '_' or '-'", param=f"{param}.name")
+    for key, kind, what in (("description", str, "a string"), ("schema", dict, "an object"),
+                            ("strict", bool, "true or false")):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise invalid(f"'{param}.{key}' must be {what}", param=f"{param}.{key}")
 
 
 def _user_content(content, param):
@@ -89,14 +264,7 @@ def _user_content(content, param):
         where = f"{param}[{position}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise invalid("a text part needs 'text', a string", param=where)
-            try:
-                part["text"].encode("utf-8")
-            except UnicodeEncodeError:  # JSON's \ud800 escapes decode to lone surrogates
-                raise invalid("a text part is not valid Unicode: it holds a lone surrogate (\\ud800-\\udfff)",
-                              param=where) from None
-            texts.append(part["text"])
+            texts.append(_text_part(part, where))
         elif kind == "image_url":
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else image_url  # the old form: a bare string

@@ -28,7 +28,8 @@ NO_VERSIONS = "has no available versions"                # Triton: loading or un
 QUEUE_FULL = "Exceeds maximum queue size"                # Triton: the queue is full (UNAVAILABLE)
 SERVER_STOPPING = "Server is stopping"                   # Triton: shutting down (UNAVAILABLE)
 # The pipeline's inputs and parameters -> the request field they came from.
-REQUEST_FIELDS = {"IMAGE": "messages", "PROMPT": "messages", "temperature": "temperature", "max_tokens": "max_tokens"}
+REQUEST_FIELDS = {"IMAGE": "messages", "PROMPT": "messages", "conversation": "messages",
+                  "response_format": "response_format", "temperature": "temperature", "max_tokens": "max_tokens"}
 # Triton puts these before a step's message: "in ensemble 'x', " and "[request id: y] ".
 _PREFIXES = re.compile(r"^(?:in ensemble '[^']*', |\[request id: [^\]]*\] )*")
 
@@ -40,6 +41,23 @@ class Answer:
     description: str = ""
     source: str = None
     usage: dict = None
+
+
+def request_parameters(chat_request):
+    """The Triton request parameters of one chat.ChatRequest: the sampling
+    overrides; the client's system messages and earlier turns as `conversation`
+    and its response_format as `response_format`, each a JSON string, sent only
+    when there is one (the describe step's contract: docs/DESIGN.md)."""
+    parameters = dict(chat_request.parameters)
+    if chat_request.conversation:
+        parameters["conversation"] = _json(list(chat_request.conversation))
+    if chat_request.response_format is not None:
+        parameters["response_format"] = _json(chat_request.response_format)
+    return parameters
+
+
+def _json(value):
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def inputs_for(image, prompt):

@@ -244,13 +244,17 @@ def test_an_image_without_text_gets_the_default_question_and_every_image_format_
         assert completion.choices[0].message.content
 
 
-def test_the_last_user_message_is_the_one_answered(sdk, photos):
-    messages = [{"role": "system", "content": "You are terse."},
-                *user_message(data_uri(photos["coffee"]), "first"),
-                {"role": "assistant", "content": "An espresso."},
-                *user_message(data_uri(photos["chelsea"]), unique_prompt("And this one?"))]
-    completion = sdk.chat.completions.create(model=MODEL, messages=messages)
+def test_the_last_user_message_is_the_one_answered_and_the_only_one_with_a_photo(sdk, photos):
+    """Its image is the photo; an image in an earlier turn is refused by name, never dropped.
+    (That the earlier turns reach the LLM: test_openai_front_fields.py.)"""
+    earlier = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "first"},
+               {"role": "assistant", "content": "An espresso."}]
+    last = user_message(data_uri(photos["chelsea"]), unique_prompt("And this one?"))
+    completion = sdk.chat.completions.create(model=MODEL, messages=[*earlier, *last])
     assert completion.classify_describe["labels"][0] in CAT_CLASSES
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, messages=[*user_message(data_uri(photos["coffee"]), "first"), *last])
+    assert refused.value.param == "messages[0].content[1]"
 
 
 def test_the_async_sdk_keeps_many_requests_in_flight(front, photos):
@@ -599,6 +603,54 @@ def test_without_the_test_setting_a_loopback_image_host_is_refused_by_name_and_b
             assert answer["error"]["code"] == "image_url_not_allowed"
     finally:
         front.stop()
+
+
+# -- fields the pipeline cannot honour (issue 18) --------------------------------
+
+# Every field the front refuses, with a value a client would send (any value of
+# these is refused; n, logprobs, modalities and store are taken with one value only).
+REFUSED_FIELDS = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "auto", "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
+    "n": 2, "logprobs": True, "top_logprobs": 2, "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "logit_bias": {"50256": -100},
+    "seed": 7, "store": True, "top_p": 0.9, "stop": ["\n"], "frequency_penalty": 0.5, "presence_penalty": 0.5,
+    "reasoning_effort": "low", "verbosity": "low", "web_search_options": {}, "service_tier": "auto",
+    "frobnicate": 1,  # and any field nobody has listed
+}
+
+
+def test_the_refused_fields_here_are_every_one_the_front_refuses():
+    from openai_front import chat
+
+    assert set(chat.REFUSED) | set(chat.ONLY) <= set(REFUSED_FIELDS)
+    assert not set(REFUSED_FIELDS) & (chat.HONOURED | chat.IGNORED)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("field", REFUSED_FIELDS)
+def test_a_field_the_pipeline_cannot_honour_is_a_400_naming_it_on_both_paths(sdk, photos, llm, stream, field):
+    before = len(llm.admin("stats")["bodies"])
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, stream=stream, messages=user_message(data_uri(photos["coffee"])),
+                                    extra_body={field: REFUSED_FIELDS[field]})
+    assert refused.value.param == field and field in refused.value.message
+    assert len(llm.admin("stats")["bodies"]) == before, "nothing reached the LLM"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("earlier, param", [
+    ([{"role": "tool", "tool_call_id": "c1", "content": "42"}], "messages[0].role"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], "messages[0].tool_calls"),
+    ([{"role": "user", "content": "x"}] * 33, "messages"),
+    ([{"role": "system", "content": "x" * 32_001}], "messages"),
+], ids=["tool role", "tool calls", "33 earlier messages", "32001 characters"])
+def test_messages_the_pipeline_cannot_honour_are_a_400_naming_them_on_both_paths(sdk, photos, stream, earlier, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, stream=stream,
+                                    messages=[*earlier, *user_message(data_uri(photos["coffee"]))])
+    assert refused.value.param == param
 
 
 # -- review findings: what parses but cannot be sent, clients that leave, stream errors

@@ -100,6 +100,9 @@ def test_only_one_image_per_request():
 def test_only_the_last_user_message_counts():
     payload = body()
     payload["messages"].append({"role": "user", "content": "and now?"})
+    error = refused(payload)
+    assert error.param == "messages[0].content[0]" and "only the last user message" in error.message
+    payload["messages"].pop(0)
     assert "no image" in refused(payload).message
 
 
