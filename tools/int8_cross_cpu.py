@@ -34,7 +34,7 @@ MODEL_DIR = REPO / "model_repository" / "classifier" / "1"
 # Float rounding in the fp32 head (Gemm, softmax) differs between AVX-512 and AVX2
 # kernels; a saturated int16 sum moves scores by 1e-2 to 1e-1.
 SAME_SCORES_ATOL = 1e-5
-# What each emulated model lacks (qemu-user shows the host's /proc/cpuinfo, not these).
+# What each emulated model lacks (qemu-user passes the host's CPU description through).
 EMULATED = {"Haswell": "Intel Haswell: AVX2, FMA; no AVX-512, no VNNI",
             "EPYC-Rome": "AMD EPYC Rome (Zen 2): AVX2, FMA; no AVX-512, no VNNI"}
 
