@@ -9,7 +9,7 @@ from openai import AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
 from accounting import finish_reason_of
-from resilience import Cancelled, MalformedResponse
+from resilience import ANSWER_TOO_LONG, Cancelled, MalformedResponse
 
 
 class StreamedAnswer:
@@ -22,6 +22,7 @@ class StreamedAnswer:
     def __init__(self, call, emit):
         self.call = call
         self.emit = emit
+        self.chars = 0  # of text kept and emitted
 
     async def attempt(self, timeout):
         """One streaming attempt, up to its first piece of text within `timeout`:
@@ -51,11 +52,13 @@ class StreamedAnswer:
         finish_reason, the Failure that cut the stream short or None)."""
         c = self.call
         first, stream, finish_reason = answer.value
-        self.emit(first)
-        parts = [first]
+        parts = []
         read_from = c.clock()
         try:
-            failure, finish_reason = await self._read_rest(stream, parts, finish_reason)
+            if self._keep(parts, first):
+                failure, finish_reason = await self._read_rest(stream, parts, finish_reason)
+            else:
+                failure, finish_reason = ANSWER_TOO_LONG, "length"
         finally:
             # Closing the response closes its connection: the upstream stops generating (and billing).
             await _close(stream)
@@ -83,9 +86,19 @@ class StreamedAnswer:
             self._bill(chunk)
             finish_reason = finish_reason_of(chunk) or finish_reason
             text = _delta_text(chunk)
-            if text:
-                parts.append(text)
-                self.emit(text)
+            if text and not self._keep(parts, text):
+                # Past what max_tokens allows: stop reading, and the upstream writing (read() closes it).
+                return ANSWER_TOO_LONG, "length"
+
+    def _keep(self, parts, text):
+        """Emit and keep `text`, up to the answer's limit; False when it went past (the rest dropped)."""
+        room = self.call.max_chars - self.chars
+        kept = text[:room]
+        if kept:
+            parts.append(kept)
+            self.chars += len(kept)
+            self.emit(kept)
+        return len(text) <= room
 
     def _bill(self, chunk):
         if getattr(chunk, "usage", None) is not None:
