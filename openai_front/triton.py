@@ -149,6 +149,8 @@ def _coded_error(coded):
     if coded.code == contract.UPSTREAM_UNAVAILABLE:
         return FrontError(503, f"{coded.text}; retry later", type="service_unavailable", code="upstream_unavailable",
                           retry_after_s=1)
+    if coded.code == contract.OVERLOADED:
+        return unavailable(f"{coded.text}; retry later")
     if coded.code == contract.MODEL_UNLOADING:
         return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
     if coded.code == contract.REQUEST_CANCELLED:

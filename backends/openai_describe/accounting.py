@@ -1,7 +1,11 @@
 """Token usage and money spent, as reported in the USAGE output."""
 
 import json
+import math
 from dataclasses import asdict, dataclass
+
+# Characters per token when the tokens must be estimated (OpenAI's rule of thumb for English).
+CHARS_PER_TOKEN_ESTIMATE = 4
 
 
 @dataclass
@@ -23,6 +27,9 @@ class Usage:
     # step receiving the request to the first text chunk sent, and the chunks sent.
     time_to_first_token_ms: float = None
     chunks: int = None
+    # True when some of the tokens above are estimated (estimated_tokens): a stream cut
+    # short before its usage chunk was billed upstream all the same. Left out otherwise.
+    tokens_estimated: bool = None
 
     def to_json(self):
         fields = asdict(self)
@@ -36,7 +43,7 @@ class Usage:
         return json.dumps(fields, separators=(",", ":"))
 
 
-STREAM_FIELDS = ("time_to_first_token_ms", "chunks")
+STREAM_FIELDS = ("time_to_first_token_ms", "chunks", "tokens_estimated")
 
 
 def cost_usd(prompt_tokens, completion_tokens, price_input_per_million, price_output_per_million):
@@ -49,6 +56,23 @@ def tokens_from(usage):
     if usage is None:
         return 0, 0
     return int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+
+
+def estimated_tokens(chars):
+    """Tokens for `chars` characters of text, CHARS_PER_TOKEN_ESTIMATE a token, rounded up."""
+    return math.ceil(chars / CHARS_PER_TOKEN_ESTIMATE)
+
+
+def message_chars(messages):
+    """Characters of text in chat messages (a content string, or its text parts)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return total
 
 
 def finish_reason_of(response):

@@ -18,9 +18,22 @@ from openai.types.chat import ChatCompletion
 from accounting import Usage, cost_usd, finish_reason_of, tokens_from
 from llm_cache import LRUCache, cache_key
 from prompting import build_messages, fallback_description
-from resilience import Cancelled, CircuitBreaker, Failure, MalformedResponse, backoff_delay, classify_status
+from resilience import (
+    ANSWER_TOO_LONG,
+    AnswerTooLarge,
+    Cancelled,
+    CircuitBreaker,
+    Failure,
+    MalformedResponse,
+    backoff_delay,
+    classify_status,
+)
 from settings import Overrides
 from streaming import StreamedAnswer
+
+# The most characters of answer kept per max_tokens: generous (English runs about
+# 4 a token), so only an upstream that ignores max_tokens is cut (settings.max_answer_chars).
+CHARS_PER_TOKEN = 16
 
 NO_KEY_HELP = (
     "no API key found in {where}: every description is the classification-only fallback "
@@ -91,6 +104,7 @@ class Call:
     is_cancelled: object
     clock: object
     deadline: float        # the request's, for every attempt and the whole stream
+    max_chars: int = None  # the longest answer kept (answer_chars_limit)
 
 
 class WholeAnswer:
@@ -116,6 +130,8 @@ class WholeAnswer:
     async def read(self, answer):
         """(text, finish_reason, the Failure that cut it short or None)."""
         text, finish_reason = answer.value
+        if len(text) > self.call.max_chars:  # an upstream that ignored max_tokens
+            return text[:self.call.max_chars], "length", ANSWER_TOO_LONG
         return text, finish_reason, None
 
 
@@ -186,7 +202,8 @@ class Describer:
         usage = Usage(job.model)
         call = Call(self._client, job, messages, usage, lambda task, timeout: self._wait(task, timeout, is_cancelled),
                     lambda reported: self._bill(job, usage, reported), self.classify_failure, self._release_slot,
-                    is_cancelled, self._clock, started + self.settings.total_timeout_s)
+                    is_cancelled, self._clock, started + self.settings.total_timeout_s,
+                    answer_chars_limit(self.settings, job.overrides))
         reader = WholeAnswer(call) if emit is None else StreamedAnswer(call, emit)
         try:
             answer = await self._attempts(job, usage, is_cancelled, reader.attempt, keep_slot=reader.keeps_slot)
@@ -346,7 +363,9 @@ class Describer:
 
     def classify_failure(self, exc):
         """The Failure an upstream attempt's exception stands for (rate-limited warning logged)."""
-        if isinstance(exc, openai.APIStatusError):
+        if _caused_by(exc, AnswerTooLarge):  # raised under the SDK, which wraps it
+            failure = ANSWER_TOO_LONG
+        elif isinstance(exc, openai.APIStatusError):
             failure = classify_status(exc.status_code, exc.response.headers)
         elif isinstance(exc, (TimeoutError, openai.APIConnectionError)):
             # The aiohttp transport reports a refused or dropped connection as a
@@ -404,6 +423,43 @@ class Describer:
             self.log.warn(message)
 
 
+def answer_chars_limit(settings, overrides):
+    """The longest answer kept for a request: CHARS_PER_TOKEN a token of its max_tokens, at most max_answer_chars."""
+    return min(settings.max_answer_chars, CHARS_PER_TOKEN * overrides.max_tokens)
+
+
+def response_bytes_limit(settings):
+    """The most bytes read of one upstream response: the longest answer JSON-escaped
+    (6 bytes a character at worst, \\uXXXX), a stream chunk's envelope (about 250
+    bytes, 512 allowed) per token up to max_tokens_limit, and 64 KiB for the rest."""
+    return 6 * settings.max_answer_chars + 512 * settings.max_tokens_limit + 65536
+
+
+class _BoundedBody(httpx2.AsyncByteStream):
+    """A response body that raises AnswerTooLarge past `limit` bytes, before
+    reading more: the SDK would otherwise read and parse any size."""
+
+    def __init__(self, stream, limit):
+        self.stream, self.limit = stream, limit
+
+    async def __aiter__(self):
+        read = 0
+        async for part in self.stream:
+            read += len(part)
+            if read > self.limit:
+                raise AnswerTooLarge(f"the upstream's response passed {self.limit} bytes")
+            yield part
+
+    async def aclose(self):
+        await self.stream.aclose()
+
+
+def _bound_body(limit):
+    async def hook(response):  # before the body is read (httpx response event hook)
+        response.stream = _BoundedBody(response.stream, limit)
+    return hook
+
+
 def _caused_by(exc, kind):
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -435,6 +491,7 @@ def make_client(settings, api_key):
         limits=httpx2.Limits(max_connections=settings.max_in_flight,
                              max_keepalive_connections=settings.max_in_flight),
         timeout=httpx2.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s)),
+        event_hooks={"response": [_bound_body(response_bytes_limit(settings))]},
     )
     return openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
                               timeout=settings.timeout_s, http_client=http_client)

@@ -21,12 +21,13 @@ INVALID_PARAMETER = "invalid_parameter"    # a request parameter: model, tempera
 # Not the request's fault, worth a retry (UNAVAILABLE, CANCELLED):
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"  # on_failure=error and the LLM could not answer
 MODEL_UNLOADING = "model_unloading"
+OVERLOADED = "overloaded"                  # a streaming model has as many streams open as it takes
 REQUEST_CANCELLED = "request_cancelled"
 # The server's fault (INTERNAL):
 INTERNAL = "internal"
 
-CODES = frozenset({INVALID_INPUT, INVALID_PARAMETER, UPSTREAM_UNAVAILABLE, MODEL_UNLOADING, REQUEST_CANCELLED,
-                   INTERNAL})
+CODES = frozenset({INVALID_INPUT, INVALID_PARAMETER, UPSTREAM_UNAVAILABLE, MODEL_UNLOADING, OVERLOADED,
+                   REQUEST_CANCELLED, INTERNAL})
 _TOKEN = re.compile(r"\[code=([a-z_]+)(?: field=([A-Za-z_]+))?\] ")
 
 

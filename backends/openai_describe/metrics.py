@@ -10,7 +10,7 @@ from describer import Observer
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 # The streaming step's own delay before the labels go out: IPC and our loop, no network.
 LABELS_BUCKETS_S = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1]
-OUTCOMES = ("ok", "retried", "cached", "fallback", "partial", "error", "cancelled", "invalid")
+OUTCOMES = ("ok", "retried", "cached", "fallback", "partial", "error", "cancelled", "invalid", "overloaded")
 CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
 
@@ -31,7 +31,7 @@ class Metrics(Observer):
         family = pb_utils.MetricFamily
         self.requests = family("describe_requests_total",
                                "Describe requests by outcome (ok, retried, cached, fallback, partial, error, "
-                               "cancelled, invalid)", family.COUNTER)
+                               "cancelled, invalid, overloaded)", family.COUNTER)
         self.prompt_tokens = family("describe_prompt_tokens_total", "Prompt tokens billed upstream",
                                     family.COUNTER)
         self.completion_tokens = family("describe_completion_tokens_total",

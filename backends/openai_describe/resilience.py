@@ -30,6 +30,16 @@ class Failure:
     upstream_fault: bool = True
 
 
+class AnswerTooLarge(Exception):
+    """An upstream response body past the bytes read of one (describer.response_bytes_limit)."""
+
+
+# An answer longer than its max_tokens allows, or than max_answer_chars: cut there
+# (or, past the body's byte limit, unread), never cached, not retried (the same
+# request would run long again), and no verdict on the upstream's health.
+ANSWER_TOO_LONG = Failure("answer_too_long", retryable=False, upstream_fault=False)
+
+
 # What a status means to the operator reading USAGE.fallback_reason or the metrics.
 STATUS_MEANING = {
     400: "bad_request", 401: "authentication_failed", 403: "permission_denied",

@@ -82,6 +82,17 @@ class Settings:
     # How often an in-flight request asks Triton whether the client cancelled it
     # (each ask is a round trip to the server process).
     cancel_poll_s: float = 1.0
+    # Streaming models only: streams open at once on the instance, from the request
+    # taken to its final response; one more is refused at once (UNAVAILABLE,
+    # code=overloaded). 500 streams on one instance held on 2 cores (docs/streaming.md).
+    max_open_streams: int = 512
+    # classify_and_describe_stream only: photos taken but not yet classified, each
+    # holding its IMAGE (up to 20 MiB); about 1 s of the classifier's work on 2 cores.
+    max_photos_waiting: int = 64
+    # The longest answer kept, whatever max_tokens allows (16 characters a token,
+    # describer.CHARS_PER_TOKEN): past either, the text is cut and ends as llm_partial
+    # (fallback_reason answer_too_long), never cached.
+    max_answer_chars: int = 16384
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     prompt_template: str = DEFAULT_PROMPT_TEMPLATE
     default_prompt: str = "Describe this object in detail"
@@ -283,7 +294,8 @@ def _validate(s):
         if getattr(s, name) < 0:
             problems.append(f"{name} must be >= 0")
     for name in ("max_attempts", "circuit_failure_threshold", "max_in_flight", "cache_max_entries",
-                 "max_prompt_chars", "max_labels", "max_label_chars"):
+                 "max_prompt_chars", "max_labels", "max_label_chars", "max_open_streams", "max_photos_waiting",
+                 "max_answer_chars"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be >= 1")
     if s.timeout_s > s.total_timeout_s:

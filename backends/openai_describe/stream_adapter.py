@@ -30,18 +30,34 @@ class StreamAdapter:
         self.settings, self.describer, self.metrics = settings, describer, metrics
         self.log, self.scrub, self.loop, self.request_models = log, scrub, loop, request_models
         self.watched = set()
+        # Admission: a stream beyond max_open_streams is refused in execute(), before
+        # it holds anything, rather than queued behind the others without bound.
+        self.open_streams = _Gate(settings.max_open_streams, "max_open_streams", "streams open")
         self.send_pool = concurrent.futures.ThreadPoolExecutor(max_workers=SEND_THREADS,
                                                                thread_name_prefix=f"{model_name}-send")
         self.watcher = asyncio.run_coroutine_threadsafe(self._watch_cancellations(), loop)
 
     def take(self, request):
-        """On the model thread: the request's Job; raises one of io.REFUSALS."""
-        return io.read_jobs(request, self.settings, self.request_models)[0]
+        """On the model thread: the request's Job; raises one of io.REFUSALS, or
+        io.Reject (UNAVAILABLE) when max_open_streams are open."""
+        job = io.read_jobs(request, self.settings, self.request_models)[0]
+        self._admit(self.open_streams)
+        return job
 
-    async def _labels(self, work, out):
-        """The stream's first response, LABELS and SCORES; the Job to describe."""
-        await out.send(io.labels_tensors([work]))
-        return work
+    def _admit(self, gate):
+        if not gate.enter():
+            self.metrics.request_done(None, "overloaded", None)
+            raise io.overloaded(gate.refusal())
+
+    async def _labels(self, work, out, cancelled):
+        """The stream's first response, LABELS and SCORES; the Job to describe,
+        or None if the client left first. Whether it left is asked of Triton
+        after the labels, from the thread that sent them: no LLM call for a
+        client that is gone, however long the request waited for the loop."""
+        def send():
+            out.sender.send(pb_utils.InferenceResponse(output_tensors=io.labels_tensors([work])))
+            return None if cancelled.refresh() else work
+        return await self.loop.run_in_executor(self.send_pool, send)
 
     def stop(self):
         self.watcher.cancel()
@@ -59,6 +75,8 @@ class StreamAdapter:
         stats = self.metrics.stream_started()
         cancelled = _Watch(request)
         self.watched.add(cancelled)
+        # Left before the final response: a client that sends its next stream at once finds the place free.
+        leave = _once(self.open_streams.leave)
 
         def stop():  # the client left, or a chunk was lost: either way, no more text is worth paying for
             return cancelled() or out.failure is not None
@@ -69,11 +87,11 @@ class StreamAdapter:
 
         response = None
         try:
-            job = await self._labels(work, out)
-            stats.labels(time.monotonic() - received)
-            if cancelled():  # the client left while its photo was classified: no LLM call
+            job = await self._labels(work, out, cancelled)
+            if job is None:  # the client left before its photo was classified, or while: no LLM call
                 self.metrics.request_done(None, "cancelled", None)
                 raise Cancelled()
+            stats.labels(time.monotonic() - received)
             result = await self.describer.describe(job, stop, emit)
             await out.drain()
             if result.outcome == "error":  # on_failure=error
@@ -82,6 +100,7 @@ class StreamAdapter:
                 if result.usage.chunks is not None:
                     result.usage.chunks = out.text_responses  # text that came together went out together
                 cancelled.close()
+                leave()
                 await out.send([io.bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
                                 io.bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
         except io.Reject as exc:
@@ -104,6 +123,7 @@ class StreamAdapter:
         finally:
             cancelled.close()
             self.watched.discard(cancelled)
+            leave()
             stats.done(time.monotonic() - received)
         if response is not None:
             try:
@@ -140,18 +160,37 @@ class PhotoStreamAdapter(StreamAdapter):
     """A stream per photo (classify_and_describe_stream): its LABELS and
     SCORES are asked of classify_model by BLS first."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        # Photos waiting for the classifier each hold their IMAGE: a bound of their own.
+        self.photos_waiting = _Gate(self.settings.max_photos_waiting, "max_photos_waiting",
+                                    "photos waiting for the classifier")
+
     def take(self, request):
-        return io.read_photo_job(request, self.settings, self.request_models)
+        work = io.read_photo_job(request, self.settings, self.request_models)
+        self._admit(self.photos_waiting)
+        try:
+            self._admit(self.open_streams)
+        except io.Reject:
+            self.photos_waiting.leave()
+            raise
+        return work
 
-    async def _labels(self, work, out):
+    async def _labels(self, work, out, cancelled):
         # One executor thread classifies and sends the labels: no hop back to the loop between.
-        return await self.loop.run_in_executor(None, self._classify, work, out.sender)
+        try:
+            return await self.loop.run_in_executor(None, self._classify, work, out.sender, cancelled)
+        finally:
+            self.photos_waiting.leave()
 
-    def _classify(self, work, sender):
+    def _classify(self, work, sender, cancelled):
         """On an executor thread: LABELS and SCORES of the photo from
-        classify_model (BLS), sent as the stream's first response; the Job.
+        classify_model (BLS), sent as the stream's first response; the Job, or
+        None when the client left before the classification or during it.
         Raises io.Reject with the classifier's own error (a photo that is not
         one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
+        if cancelled.refresh():  # it waited for a thread: the client may have gone meanwhile
+            return None
         response = pb_utils.InferenceRequest(
             model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
             requested_output_names=["LABELS", "SCORES"]).exec()
@@ -169,7 +208,7 @@ class PhotoStreamAdapter(StreamAdapter):
             raise io.internal(f"the classifier {self.settings.classify_model!r} returned output the describe "
                               f"step cannot use: {exc}") from None
         sender.send(pb_utils.InferenceResponse(output_tensors=io.labels_tensors([job])))
-        return job
+        return None if cancelled.refresh() else job
 
 
 class _Outbox:
@@ -240,6 +279,11 @@ class _Watch:
     def __call__(self):
         return self.cancelled
 
+    def refresh(self):
+        """Ask Triton now (a round trip: never on the loop); the flag."""
+        _poll_cancelled([self])
+        return self.cancelled
+
     def close(self):
         with self.lock:  # waits for at most one poll in progress
             self.closed = True
@@ -250,6 +294,41 @@ def _poll_cancelled(watches):
         with watch.lock:
             if not watch.closed:
                 watch.cancelled = watch.request.is_cancelled()
+
+
+def _once(action):
+    done = []
+
+    def call():
+        if not done:
+            done.append(True)
+            action()
+    return call
+
+
+class _Gate:
+    """At most `limit` holders at once, entered on the model thread and left
+    from the loop or an executor thread."""
+
+    def __init__(self, limit, setting, what):
+        self.limit, self.setting, self.what = limit, setting, what
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def enter(self):
+        with self.lock:
+            if self.count >= self.limit:
+                return False
+            self.count += 1
+            return True
+
+    def leave(self):
+        with self.lock:
+            self.count -= 1
+
+    def refusal(self):
+        return (f"{self.limit} {self.what} on this instance ({self.setting}={self.limit} in the model config): "
+                f"the model is at capacity")
 
 
 class _ChunkLost(Exception):

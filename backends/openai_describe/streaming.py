@@ -5,11 +5,13 @@ tokens); an attempt lasts until the first piece of text, so retries happen
 only before it. Knows nothing about Triton.
 """
 
+from types import SimpleNamespace
+
 from openai import AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
-from accounting import finish_reason_of
-from resilience import Cancelled, MalformedResponse
+from accounting import estimated_tokens, finish_reason_of, message_chars
+from resilience import ANSWER_TOO_LONG, Cancelled, MalformedResponse
 
 
 class StreamedAnswer:
@@ -22,6 +24,9 @@ class StreamedAnswer:
     def __init__(self, call, emit):
         self.call = call
         self.emit = emit
+        self.chars = 0  # of text kept and emitted
+        self.billed = False  # whether the open stream's usage chunk came
+        self.read_chars = 0  # of text the open stream sent, kept or not
 
     async def attempt(self, timeout):
         """One streaming attempt, up to its first piece of text within `timeout`:
@@ -33,17 +38,20 @@ class StreamedAnswer:
             "/chat/completions", cast_to=ChatCompletionChunk, stream=True, stream_cls=AsyncStream[ChatCompletionChunk],
             options={"timeout": timeout},
             body=c.job.body(c.messages, stream=True, stream_options={"include_usage": True})), timeout)
+        self.billed, self.read_chars = False, 0
         try:
             while True:
                 chunk = await c.wait(_next(stream), end - c.clock())
                 if chunk is None:
                     raise MalformedResponse("the stream ended without text")
                 self._bill(chunk)
+                self.read_chars += len(_delta_text(chunk))
                 text = _delta_text(chunk).lstrip()
                 if text:
                     return text, stream, finish_reason_of(chunk)
         except BaseException:
             await _close(stream)
+            self._estimate_unbilled()
             raise
 
     async def read(self, answer):
@@ -51,14 +59,20 @@ class StreamedAnswer:
         finish_reason, the Failure that cut the stream short or None)."""
         c = self.call
         first, stream, finish_reason = answer.value
-        self.emit(first)
-        parts = [first]
+        parts = []
         read_from = c.clock()
+        ended = False  # read to the upstream's own end
         try:
-            failure, finish_reason = await self._read_rest(stream, parts, finish_reason)
+            if self._keep(parts, first):
+                failure, finish_reason = await self._read_rest(stream, parts, finish_reason)
+            else:
+                failure, finish_reason = ANSWER_TOO_LONG, "length"
+            ended = failure is None
         finally:
             # Closing the response closes its connection: the upstream stops generating (and billing).
             await _close(stream)
+            if not ended:  # cut short or cancelled (a whole stream without usage is not estimated)
+                self._estimate_unbilled()
             c.release_slot()
             c.usage.upstream_latency_ms += (c.clock() - read_from) * 1000.0
         return "".join(parts), finish_reason, failure
@@ -83,13 +97,37 @@ class StreamedAnswer:
             self._bill(chunk)
             finish_reason = finish_reason_of(chunk) or finish_reason
             text = _delta_text(chunk)
-            if text:
-                parts.append(text)
-                self.emit(text)
+            self.read_chars += len(text)
+            if text and not self._keep(parts, text):
+                # Past what max_tokens allows: stop reading, and the upstream writing (read() closes it).
+                return ANSWER_TOO_LONG, "length"
+
+    def _keep(self, parts, text):
+        """Emit and keep `text`, up to the answer's limit; False when it went past (the rest dropped)."""
+        room = self.call.max_chars - self.chars
+        kept = text[:room]
+        if kept:
+            parts.append(kept)
+            self.chars += len(kept)
+            self.emit(kept)
+        return len(text) <= room
 
     def _bill(self, chunk):
         if getattr(chunk, "usage", None) is not None:
             self.call.bill(chunk.usage)
+            self.billed = True
+
+    def _estimate_unbilled(self):
+        """A stream that ended before its usage chunk (cut, timed out, cancelled) was
+        billed upstream all the same: estimate its tokens from the prompt and the
+        text it sent, and say so in USAGE (tokens_estimated)."""
+        if self.billed:
+            return
+        self.billed = True
+        c = self.call
+        c.bill(SimpleNamespace(prompt_tokens=estimated_tokens(message_chars(c.messages)),
+                               completion_tokens=estimated_tokens(self.read_chars)))
+        c.usage.tokens_estimated = True
 
 
 async def _next(stream):

@@ -147,6 +147,11 @@ def unloading():
     return Reject(contract.tagged(contract.MODEL_UNLOADING, "the model is unloading"), pb_utils.TritonError.UNAVAILABLE)
 
 
+def overloaded(text):
+    """A streaming model at its max_open_streams or max_photos_waiting: refused at once, retry later."""
+    return Reject(contract.tagged(contract.OVERLOADED, text), pb_utils.TritonError.UNAVAILABLE)
+
+
 def cancelled():
     return error_response(contract.tagged(contract.REQUEST_CANCELLED, "request cancelled"),
                           pb_utils.TritonError.CANCELLED)

@@ -176,6 +176,23 @@ def test_401_is_not_retried_and_the_key_never_leaks(client, fake_llm, triton):
         assert key not in place  # ... without the key
 
 
+def test_an_answer_past_max_tokens_is_cut_and_not_cached(client, fake_llm):
+    """Issue 17, item 5: 50,000 characters for max_tokens 64 end at 16 x 64 as
+    llm_partial (answer_too_long), and the same request asks the upstream again;
+    a body of 2,000,000 characters is not read at all (fallback, no retry)."""
+    fake_llm.admin("mode", {"mode": "huge", "huge_chars": 50_000})
+    prompt = unique("Huge")
+    requests_before = stats(fake_llm)["requests"]
+    for _ in range(2):
+        text, source, usage = describe(client, prompt, max_tokens=64)
+        assert source == "llm_partial" and len(text) == 16 * 64 and usage["fallback_reason"] == "answer_too_long"
+        assert usage["finish_reason"] == "length" and usage["cost_usd"] > 0
+    assert stats(fake_llm)["requests"] == requests_before + 2  # never cached
+    fake_llm.admin("mode", {"mode": "huge", "huge_chars": 2_000_000})
+    text, source, usage = describe(client, unique("Huger"), max_tokens=64)
+    assert source == "fallback" and usage["fallback_reason"] == "answer_too_long" and usage["attempts"] == 1
+
+
 def test_a_hanging_upstream_is_cut_by_the_timeout(client, fake_llm):
     fake_llm.admin("mode", {"mode": "hang"})
     started = time.monotonic()

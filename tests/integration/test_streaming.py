@@ -243,9 +243,56 @@ def test_a_failure_after_the_first_token_keeps_the_partial_text(triton, llm, req
     assert stream.last["DESCRIPTION_SOURCE"] == "llm_partial"
     assert len(stream.chunks) == 3 and stream.text.startswith("Fake answer #")
     assert usage["fallback_reason"] == "connection_error" and usage["attempts"] == 1
+    # Billed upstream though no usage chunk came: estimated (issue 17, item 6).
+    assert usage["tokens_estimated"] is True and usage["completion_tokens"] > 0 and usage["cost_usd"] > 0
     assert stats(llm)["requests"] == requests_before + 1  # no retry once text went out
     # A partial answer is not cached: the same request streams anew.
     llm.admin("mode", {"mode": "ok"})
+
+
+@pytest.mark.parametrize("model", STREAM_MODELS)
+def test_an_upstream_that_floods_is_cut_at_the_limit_and_closed(triton, llm, requests_, model):
+    """An endless stream (issue 17, item 5): the text stops at 16 characters per
+    max_tokens token, ends llm_partial (answer_too_long) billed by estimate, and
+    the upstream connection is closed rather than read for total_timeout_s."""
+    llm.admin("mode", {"mode": "flood"})
+    before = stats(llm)
+    stream = requests_.send(triton, model, "grpc", parameters={"max_tokens": 64})
+    usage = assert_complete(stream)
+    assert stream.last["DESCRIPTION_SOURCE"] == "llm_partial" and len(stream.text) == 16 * 64
+    assert usage["fallback_reason"] == "answer_too_long" and usage["finish_reason"] == "length"
+    assert usage["tokens_estimated"] is True and usage["cost_usd"] > 0
+    deadline = time.monotonic() + 5
+    while stats(llm)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stats(llm)["disconnected"] == before["disconnected"] + 1
+    assert stats(llm)["flood_chunks"] - before["flood_chunks"] < 5000
+
+
+def model_successes(server, model):
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/stats", timeout=10) as response:
+        return json.loads(response.read())["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
+def test_streams_cancelled_while_they_wait_are_not_classified(triton, llm, requests_):
+    """60 photo streams on one gRPC stream, cancelled by the client at 0.1 s
+    (issue 17, item 4): before, all 60 were still classified over the next
+    1.3 s; now a request whose client left is skipped before its BLS call."""
+    llm.admin("mode", {"mode": "ok", "latency_ms": 2000})
+    classified_before, llm_before = model_successes(triton, "classify"), stats(llm)["requests"]
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    client.start_stream(callback=lambda result, error: None)
+    for _ in range(60):
+        client.async_stream_infer(PHOTO, requests_.grpc_inputs(PHOTO, f"Gone ({uuid.uuid4().hex})"))
+    time.sleep(0.1)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    time.sleep(3)
+    classified = model_successes(triton, "classify") - classified_before
+    called = stats(llm)["requests"] - llm_before
+    print(f"\n60 streams cancelled at 0.1 s: {classified} classified, {called} LLM calls")
+    assert classified < 45 and called <= classified, (classified, called)
+    assert_complete(requests_.send(triton, PHOTO, "grpc"))  # and the model still streams
 
 
 def test_a_cached_answer_replays_as_one_chunk(triton, llm, requests_):

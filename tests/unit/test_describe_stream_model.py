@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from test_describe_model import KEY, load_model_module, request
+from test_describe_model import KEY, load_model_module, metric, request
 
 from tools.fake_openai import ThreadedFakeOpenAI
 
@@ -24,7 +24,7 @@ def make_stream_model(monkeypatch, base_url, **params):
     monkeypatch.setenv("LLM_BASE_URL", base_url)
     monkeypatch.setenv("LLM_API_KEY", KEY)
     config = {"name": "describe_stream", "max_batch_size": 1, "model_transaction_policy": {"decoupled": True},
-              "parameters": {k: {"string_value": v} for k, v in dict(cancel_poll_s="0.05", **params).items()}}
+              "parameters": {k: {"string_value": v} for k, v in {"cancel_poll_s": "0.05", **params}.items()}}
     model = load_model_module().TritonPythonModel()
     model.initialize({"model_config": json.dumps(config), "model_name": "describe_stream", "model_version": "1"})
     return model
@@ -209,3 +209,146 @@ def test_a_photo_stream_sends_the_classifiers_labels_first(fake_pb_utils_module,
         model.finalize()
     assert responses[0] == (["LABELS", "SCORES"], False) and responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)
     assert req.get_response_sender().responses[0].output("LABELS")[0][0] == b"tabby, tabby cat"
+
+
+# -- admission and cancellation before the work (issue 17, item 4) ---------------------------------
+
+def labelling_classifier(pb_utils, calls, before=None):
+    """A classify model for BLS that counts its calls and runs `before(call number)` first."""
+    def classifier(bls_request):
+        calls.append(bls_request)
+        if before is not None:
+            before(len(calls))
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("LABELS", np.array([[b"tabby, tabby cat", b"tiger cat"]], dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([[0.7, 0.2]], dtype=np.float32))])
+    return classifier
+
+
+def stream_model_and_request(pb_utils, monkeypatch, base_url, model_kind, classifier=None, **params):
+    """(the model, a function making one valid request) for either streaming model."""
+    if model_kind == "classify_and_describe_stream":
+        monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify",
+                            classifier or labelling_classifier(pb_utils, []))
+        return (make_stream_model(monkeypatch, base_url, classify_model="classify", **params),
+                lambda: photo_request(pb_utils))
+    return make_stream_model(monkeypatch, base_url, **params), lambda: request(pb_utils, prompt="Hi")
+
+
+STREAM_KINDS = ("describe_stream", "classify_and_describe_stream")
+
+
+@pytest.mark.parametrize("model_kind", STREAM_KINDS)
+def test_a_stream_beyond_max_open_streams_is_refused_at_once(fake_pb_utils_module, fake, monkeypatch, model_kind):
+    """Two streams open (the upstream slow): a third is refused in execute() with
+    UNAVAILABLE and code=overloaded, which the front answers 503 with Retry-After;
+    once the two end, a new one is taken again."""
+    from tritonclient.utils import InferenceServerException
+
+    from openai_front.triton import front_error
+
+    import error_contract as contract
+
+    pb_utils = fake_pb_utils_module
+    fake.set_mode("ok", latency_ms=600, answer_words=3)
+    model, make_request = stream_model_and_request(pb_utils, monkeypatch, fake.base_url, model_kind,
+                                                   max_open_streams="2", cache_enabled="false")
+    try:
+        first, second, third = make_request(), make_request(), make_request()
+        model.execute([first, second])
+        started = time.monotonic()
+        model.execute([third])
+        refused = sent(third, pb_utils)
+        refused_in = time.monotonic() - started
+        done = [sent(first, pb_utils), sent(second, pb_utils)]
+        fourth = make_request()
+        model.execute([fourth])
+        after = sent(fourth, pb_utils)
+    finally:
+        model.finalize()
+    assert len(refused) == 1 and refused_in < 0.3, (refused, refused_in)
+    error, final = refused[0]
+    assert final and error.code() == pb_utils.TritonError.UNAVAILABLE, refused
+    assert contract.read(error.message()).code == contract.OVERLOADED and "max_open_streams=2" in error.message()
+    mapped = front_error(InferenceServerException(error.message()))
+    assert mapped.status == 503 and mapped.headers() == {"Retry-After": "1"}
+    assert all(responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True) for responses in done + [after])
+    assert fake.stats()["requests"] == 3
+    assert metric(model, pb_utils, "describe_requests_total", outcome="overloaded") == 1
+
+
+def test_photos_beyond_max_photos_waiting_are_refused_before_they_queue(fake_pb_utils_module, fake, monkeypatch):
+    """classify_and_describe_stream: while the classifier is busy, photos beyond
+    max_photos_waiting are refused at once instead of queueing with their IMAGE."""
+    import threading
+
+    pb_utils = fake_pb_utils_module
+    fake.set_mode("ok", answer_words=3)
+    calls, release = [], threading.Event()
+    classifier = labelling_classifier(pb_utils, calls, before=lambda n: release.wait(10))
+    model, make_request = stream_model_and_request(pb_utils, monkeypatch, fake.base_url, "classify_and_describe_stream",
+                                                   classifier, max_photos_waiting="2")
+    try:
+        waiting = [make_request(), make_request()]
+        model.execute(waiting)
+        extra = make_request()
+        model.execute([extra])
+        refused = sent(extra, pb_utils)
+        release.set()
+        done = [sent(r, pb_utils) for r in waiting]
+        again = make_request()
+        model.execute([again])
+        after = sent(again, pb_utils)
+    finally:
+        release.set()
+        model.finalize()
+    error, final = refused[0]
+    assert len(refused) == 1 and final and error.code() == pb_utils.TritonError.UNAVAILABLE
+    assert "max_photos_waiting=2" in error.message()
+    assert all(responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True) for responses in done + [after])
+    assert len(calls) == 3
+
+
+def test_a_photo_cancelled_before_its_classification_is_not_classified(fake_pb_utils_module, fake, monkeypatch):
+    """The client left while its request waited: no BLS call, no LLM call, CANCELLED.
+    cancel_poll_s is long here, so only the check before the BLS call can see it."""
+    pb_utils = fake_pb_utils_module
+    calls = []
+    model, make_request = stream_model_and_request(pb_utils, monkeypatch, fake.base_url, "classify_and_describe_stream",
+                                                   labelling_classifier(pb_utils, calls), cancel_poll_s="30")
+    try:
+        req = make_request()
+        req.cancelled = True
+        model.execute([req])
+        responses = sent(req, pb_utils)
+    finally:
+        model.finalize()
+    assert len(responses) == 1 and responses[0][0].code() == pb_utils.TritonError.CANCELLED, responses
+    assert calls == [] and fake.stats()["requests"] == 0
+    assert metric(model, pb_utils, "describe_requests_total", outcome="cancelled") == 1
+
+
+@pytest.mark.parametrize("model_kind", STREAM_KINDS)
+def test_a_stream_cancelled_before_its_llm_call_makes_none(fake_pb_utils_module, fake, monkeypatch, model_kind):
+    """The client leaves while its photo is classified (or, for describe_stream,
+    before the step got to it): the labels go out, then CANCELLED, and no LLM call."""
+    pb_utils = fake_pb_utils_module
+    holder = {}
+
+    def leave(_):
+        holder["request"].cancelled = True
+
+    model, make_request = stream_model_and_request(
+        pb_utils, monkeypatch, fake.base_url, model_kind, labelling_classifier(pb_utils, [], before=leave),
+        cancel_poll_s="30")
+    try:
+        req = holder["request"] = make_request()
+        if model_kind == "describe_stream":
+            req.cancelled = True
+        model.execute([req])
+        responses = sent(req, pb_utils)
+    finally:
+        model.finalize()
+    assert responses[0] == (["LABELS", "SCORES"], False) and len(responses) == 2, responses
+    assert responses[1][0].code() == pb_utils.TritonError.CANCELLED
+    assert fake.stats()["requests"] == 0

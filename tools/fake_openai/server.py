@@ -4,11 +4,12 @@ It answers POST /v1/chat/completions, and its behaviour can be changed while
 it runs through an admin API on the same port:
 
   POST /_admin/mode   {"mode": "ok" | "429" | "500" | "401" | "hang" | "malformed"
-                                | "drop" | "refuse" | "cut",
+                                | "drop" | "refuse" | "cut" | "huge" | "flood",
                        "latency_ms": 0,      # added before every answer (before the first chunk)
                        "chunk_ms": 0,        # streamed answers: added before each further chunk
                        "answer_words": 0,    # pad every answer to at least this many words
                        "cut_after": 3,       # "cut": chunks sent before the connection drops
+                       "huge_chars": 1000000,  # "huge": characters of the answer
                        "retry_after": 1,     # Retry-After header of "429"
                        "count": null,        # apply to the next N requests, then "ok"
                        "duration_s": 3}      # "refuse": stop listening this long
@@ -23,6 +24,10 @@ OpenAI API does: one chat.completion.chunk per word (the first one carries
 the role), then, with "stream_options": {"include_usage": true}, a last chunk
 with no choices and the usage, then "data: [DONE]". "cut" sends `cut_after`
 chunks of the answer and closes the connection (a plain request is dropped).
+"huge" answers `huge_chars` characters whatever max_tokens says (streamed: in
+one chunk); "flood" streams chunks of text without end, as fast as it can
+(`chunk_ms` apart), until the client goes away (`flood_chunks` in the stats
+counts them; a plain request gets the "huge" answer).
 
 "drop" accepts the connection and closes it without an answer; "refuse" stops
 the listener and closes open connections, so new connections are refused,
@@ -38,7 +43,7 @@ import time
 
 from aiohttp import web
 
-MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse", "cut")
+MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse", "cut", "huge", "flood")
 RECENT = 50  # bodies and arrival times kept for /_admin/stats
 RECENT_ANSWERS = 2000  # streamed answers' texts kept: a 500-stream benchmark compares them all
 FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut "
@@ -91,15 +96,16 @@ class FakeOpenAI:
         self.chunk_ms = self.default_chunk_ms
         self.answer_words = 0
         self.cut_after = 3
+        self.huge_chars = 1_000_000
         self.retry_after = 1.0
         self.count = None
         self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
                       "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
-                      "streams_started": 0, "streams_completed": 0, "streamed_answers": []}
+                      "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0}
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
-                 chunk_ms=None, answer_words=None, cut_after=None):
+                 chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
         self.mode = mode
@@ -112,6 +118,8 @@ class FakeOpenAI:
             self.answer_words = int(answer_words)
         if cut_after is not None:
             self.cut_after = int(cut_after)
+        if huge_chars is not None:
+            self.huge_chars = int(huge_chars)
         if retry_after is not None:
             self.retry_after = float(retry_after)
         if mode == "refuse":
@@ -178,11 +186,14 @@ class FakeOpenAI:
             request.transport.close()
             raise asyncio.CancelledError()
         if body.get("stream"):
-            return await self._stream(request, body, cut_after=self.cut_after if mode == "cut" else None)
+            if mode == "flood":
+                return await self._flood(request, body)
+            return await self._stream(request, body, cut_after=self.cut_after if mode == "cut" else None,
+                                      huge=mode == "huge")
         if mode == "refuse":  # a request that slipped in before the listener stopped
             request.transport.close()
             raise asyncio.CancelledError()
-        return self._completion(body)
+        return self._completion(body, huge=mode in ("huge", "flood"))
 
     def _content(self, body):
         """(number, content, usage) of the next answer."""
@@ -201,8 +212,13 @@ class FakeOpenAI:
                  "total_tokens": prompt_tokens + completion_tokens}
         return number, content, usage
 
-    def _completion(self, body):
+    def _huge(self, content):
+        return (content + " " + " ".join(FILLER) * (self.huge_chars // 100 + 1))[:self.huge_chars]
+
+    def _completion(self, body, huge=False):
         number, content, usage = self._content(body)
+        if huge:
+            content = self._huge(content)
         return web.json_response({
             "id": f"chatcmpl-fake-{number}", "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model", ""),
@@ -211,10 +227,13 @@ class FakeOpenAI:
             "usage": usage,
         })
 
-    async def _stream(self, request, body, cut_after=None):
-        """Server-sent events, one chunk per word; `cut_after` chunks then a dropped connection."""
+    async def _stream(self, request, body, cut_after=None, huge=False):
+        """Server-sent events, one chunk per word; `cut_after` chunks then a dropped connection;
+        `huge`: the whole huge answer in one chunk."""
         stats = self.stats
         number, content, usage = self._content(body)
+        if huge:
+            content = self._huge(content)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         stats["streams_started"] += 1
@@ -224,7 +243,7 @@ class FakeOpenAI:
         async def event(payload):
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
-        words = re.findall(r"\S+\s*", content)
+        words = [content] if huge else re.findall(r"\S+\s*", content)
         for index, word in enumerate(words):
             if cut_after is not None and index >= cut_after:
                 request.transport.close()
@@ -242,6 +261,24 @@ class FakeOpenAI:
         stats["streamed_answers"] = (stats["streamed_answers"] + [content])[-RECENT_ANSWERS:]
         return response
 
+    async def _flood(self, request, body):
+        """Chunks of text without end, until the client goes away."""
+        number, _, _ = self._content(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        self.stats["streams_started"] += 1
+        base = {"id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": body.get("model", "")}
+        index = 0
+        while True:
+            delta = {"content": FILLER[index % len(FILLER)] + " "}
+            await response.write(b"data: " + json.dumps(dict(base, choices=[{"index": 0, "delta": delta,
+                                                                                "finish_reason": None}])).encode()
+                                 + b"\n\n")
+            self.stats["flood_chunks"] += 1
+            index += 1
+            await asyncio.sleep(self.chunk_ms / 1000.0)  # 0: yield to the loop, so a disconnect is seen
+
     # -- admin API --------------------------------------------------------------------
 
     async def _admin_mode(self, request):
@@ -249,7 +286,7 @@ class FakeOpenAI:
         try:
             self.set_mode(payload.get("mode", "ok"), payload.get("latency_ms"), payload.get("retry_after"),
                           payload.get("count"), payload.get("duration_s", 3.0), payload.get("chunk_ms"),
-                          payload.get("answer_words"), payload.get("cut_after"))
+                          payload.get("answer_words"), payload.get("cut_after"), payload.get("huge_chars"))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(self._describe_mode())
@@ -263,7 +300,8 @@ class FakeOpenAI:
 
     def _describe_mode(self):
         return {"mode": self.mode, "latency_ms": self.latency_ms, "chunk_ms": self.chunk_ms,
-                "answer_words": self.answer_words, "cut_after": self.cut_after, "retry_after": self.retry_after,
+                "answer_words": self.answer_words, "cut_after": self.cut_after, "huge_chars": self.huge_chars,
+                "retry_after": self.retry_after,
                 "count": self.count}
 
 
