@@ -56,6 +56,7 @@ help:
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
 	@echo "make overload       10x the saturating load: fast refusals, bounded latency, nothing lost"
+	@echo "make int8-cpus      the int8 graph under emulated AVX2-only CPUs (no VNNI) vs this one (~10 min; installs qemu-user)"
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
@@ -193,3 +194,12 @@ soak: build
 .PHONY: overload
 overload: build
 	$(PY) -m tools.overload --results $(BUILD)/overload/results.json $(OVERLOAD_ARGS)
+
+# int8 on every x86-64 CPU (docs/classifier-runtime.md#int8): the build's graph run
+# on evaluation crops here and under qemu's emulation of AVX2-only CPUs (Intel
+# Haswell, AMD EPYC Rome: no VNNI, no AVX-512), the answers compared. Installs
+# Debian's qemu-user if missing (needs root); about 10 minutes.
+.PHONY: int8-cpus
+int8-cpus: build
+	command -v qemu-x86_64 >/dev/null || { apt-get update -qq && apt-get install -y -qq qemu-user; }
+	$(PY) -m tools.int8_cross_cpu --results docs/results/int8-cross-cpu.json

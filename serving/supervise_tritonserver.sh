@@ -28,8 +28,11 @@
 #                               the log names the file, never the key.
 # The key goes to the server's arguments (Triton takes it no other way) and to
 # the watchdog's environment; TRITON_ADMIN_KEY is removed from the server's own
-# environment (so from environment dumps; same-user processes can still read
-# the server's arguments and the key file).
+# environment (so from environment dumps). The arguments are NOT private: any
+# local user, not only this one, can read them in /proc/<pid>/cmdline (ps -ef).
+# Where that matters: run it in its own PID namespace (a container, or a pod
+# without hostPID / shareProcessNamespace: the manifests in deploy/ set neither),
+# or mount /proc with hidepid=2 on a shared host (docs/reliability.md).
 #
 # Ports and addresses come from the server's own --http-port/--grpc-port/
 # --metrics-port and --http-address/--grpc-address/--metrics-address (Triton's

@@ -279,18 +279,29 @@ def check_probes(container, port_names):
         assert str(port) == number, f"{probe} probes {port}, where nothing listens ({role} is on {number})"
 
 
+def env_value(container, name, default):
+    return next((e["value"] for e in container.get("env", []) if e["name"] == name and "value" in e), default)
+
+
 def check_graceful_shutdown(container, spec):
-    """preStop sleep + Triton's exit timeout fit in the grace period; the LLM step
-    gives up before Triton's exit timeout, so in-flight requests do get answered."""
+    """preStop sleep + the front's bounded stop (its drain, then the supervisor's
+    kill grace) + Triton's exit timeout fit in the grace period; the LLM step gives
+    up before Triton's exit timeout, so in-flight requests do get answered. And the
+    pod keeps its own PID namespace: the admin key is in tritonserver's arguments."""
     exit_timeout = int(flag(container["args"], "exit-timeout-secs"))
     command = container["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == "sleep", "preStop should only wait for the endpoint removal to spread"
     pre_stop = int(command[1])
     assert 5 <= pre_stop <= 30
+    # serving/supervise_tritonserver.sh: TERM to the front, wait drain + grace, then TERM to Triton.
+    front_stop = float(env_value(container, "OPENAI_FRONT_DRAIN_S", 5)) + float(
+        env_value(container, "FRONT_STOP_GRACE_S", 3))
     grace = spec["terminationGracePeriodSeconds"]
-    assert grace >= pre_stop + exit_timeout + 5, (
-        f"terminationGracePeriodSeconds {grace} < preStop {pre_stop} + --exit-timeout-secs "
-        f"{exit_timeout} + 5: the kubelet would SIGKILL requests Triton is still finishing")
+    assert grace >= pre_stop + front_stop + exit_timeout + 5, (
+        f"terminationGracePeriodSeconds {grace} < preStop {pre_stop} + the front's stop {front_stop:g} + "
+        f"--exit-timeout-secs {exit_timeout} + 5: the kubelet would SIGKILL requests Triton is still finishing")
+    assert not spec.get("hostPID") and not spec.get("shareProcessNamespace"), \
+        "another container (or the host) would read the admin key in tritonserver's arguments"
 
 
 def secret_file_mounts(container, spec):
