@@ -44,7 +44,7 @@ class PreprocessSettings:
     # The view for the LLM (VIEW): its long side and its JPEG's size at most these.
     view_max_side: int = 768
     view_max_bytes: int = 262144
-    view_quality: int = 85  # the first JPEG quality tried; lower ones only to fit view_max_bytes
+    view_quality: int = 75  # the first JPEG quality tried (lower ones only to fit view_max_bytes): docs/benchmarks-vision.md
 
 def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
     """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""

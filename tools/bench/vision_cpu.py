@@ -17,6 +17,7 @@ import pathlib
 import statistics
 import sys
 import tempfile
+import threading
 import uuid
 
 import numpy as np
@@ -45,9 +46,12 @@ def photos():
 
 
 def turn(server, llm, images, requests, concurrency):
-    client = httpclient.InferenceServerClient(server.http_url, concurrency=concurrency, network_timeout=120)
+    local = threading.local()  # a client per thread: tritonclient.http's (gevent) is not thread-safe
 
     def one(i):
+        if not hasattr(local, "client"):
+            local.client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
+        client = local.client
         image = httpclient.InferInput("IMAGE", [1, 1], "BYTES")
         image.set_data_from_numpy(np.array([[images[i % len(images)]]], dtype=np.object_))
         prompt = httpclient.InferInput("PROMPT", [1, 1], "BYTES")
@@ -59,7 +63,6 @@ def turn(server, llm, images, requests, concurrency):
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, range(requests)))
     after = cpu_seconds(server.process.pid, llm.process.pid)
-    client.close()
     spent = {k: (after.get(k, 0.0) - before.get(k, 0.0)) * 1000.0 / requests for k in after}
     spent["server"] = sum(spent.get(k, 0.0) for k in SERVER)
     return spent
