@@ -153,6 +153,16 @@ def photo_request(pb_utils):
     return pb_utils.InferenceRequest({"IMAGE": np.array([[b"\xff\xd8 a photo"]], dtype=np.object_)})
 
 
+def stream_one_photo(model, pb_utils):
+    """One photo request's stream on `model`, which is finalized after: (the request, what it sent)."""
+    try:
+        req = photo_request(pb_utils)
+        model.execute([req])
+        return req, sent(req, pb_utils)
+    finally:
+        model.finalize()
+
+
 @pytest.mark.parametrize("labels, scores, problem", [
     ([b"x" * 300] + [b"cat"] * 4, [0.5] * 5, "LABELS[0] has 300 characters"),
     ([b"cat"] * 5, [math.nan] * 5, "SCORES must be finite"),
@@ -173,12 +183,7 @@ def test_classifier_output_the_describe_step_cannot_use_is_a_clear_error(
 
     monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify", classifier)
     model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify")
-    try:
-        req = photo_request(pb_utils)
-        model.execute([req])
-        responses = sent(req, pb_utils)
-    finally:
-        model.finalize()
+    req, responses = stream_one_photo(model, pb_utils)
     assert len(responses) == 1, responses
     error, final = responses[0]
     assert final and isinstance(error, pb_utils.TritonError), responses
@@ -201,12 +206,7 @@ def test_a_photo_stream_sends_the_classifiers_labels_first(fake_pb_utils_module,
 
     monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify", classifier)
     model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify")
-    try:
-        req = photo_request(pb_utils)
-        model.execute([req])
-        responses = sent(req, pb_utils)
-    finally:
-        model.finalize()
+    req, responses = stream_one_photo(model, pb_utils)
     assert responses[0] == (["LABELS", "SCORES"], False) and responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)
     assert req.get_response_sender().responses[0].output("LABELS")[0][0] == b"tabby, tabby cat"
 
@@ -233,12 +233,7 @@ def test_a_photo_stream_shows_the_llm_the_classify_models_view(fake_pb_utils_mod
     monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify_with_view", classifier)
     monkeypatch.setenv("LLM_VISION", vision)
     model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify_with_view")
-    try:
-        req = photo_request(pb_utils)
-        model.execute([req])
-        responses = sent(req, pb_utils)
-    finally:
-        model.finalize()
+    req, responses = stream_one_photo(model, pb_utils)
     usage = json.loads(req.get_response_sender().responses[-1].output("USAGE")[0][0])
     images = fake.stats()["images"][-1]
     if vision == "off":
