@@ -6,6 +6,10 @@ pixels go over as uint8 RGB, 0..255: the classifier normalises them itself
 of float32's bytes between the stub processes. Resize and crop follow TF's
 eval preprocessing; a large JPEG is decoded at reduced scale (draft mode).
 The measurements and reasons: docs/preprocessing.md.
+
+The same decode also gives the view the describe step shows the LLM (make_view):
+upright, alpha flattened on white, long side at most view_max_side, JPEG of at
+most view_max_bytes. It is made only when asked for (docs/DESIGN.md#the-view).
 """
 
 import dataclasses
@@ -37,6 +41,10 @@ class PreprocessSettings:
     max_pixels: int = 40_000_000  # width * height read from the header, checked before decoding
     min_image_side: int = 8  # below this there is nothing left to classify
     jpeg_draft: bool = True  # decode large JPEGs at a reduced scale (see the module docstring)
+    # The view for the LLM (VIEW): its long side and its JPEG's size at most these.
+    view_max_side: int = 768
+    view_max_bytes: int = 262144
+    view_quality: int = 75  # the first JPEG quality tried (lower ones only to fit view_max_bytes): docs/benchmarks-vision.md
 
 def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
     """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""
@@ -56,6 +64,10 @@ def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
         else:
             values[name] = _parse_positive_int(name, raw)
     settings = PreprocessSettings(**values)
+    if not 1 <= settings.view_quality <= 95:
+        raise ConfigError(f"view_quality must be in [1, 95] (Pillow's useful range), got {settings.view_quality}")
+    if settings.view_max_bytes < 4096:
+        raise ConfigError(f"view_max_bytes must be at least 4096, got {settings.view_max_bytes}")
     if settings.crop_size > settings.resize_shorter_side:
         raise ConfigError(
             f"crop_size ({settings.crop_size}) must not exceed resize_shorter_side "
@@ -88,7 +100,15 @@ class ImagePreprocessor:
         self.settings = settings
 
     def __call__(self, data):
-        image = self.decode(data)
+        return self.pixels(self.decode(data))
+
+    def with_view(self, data):
+        """bytes -> (the pixels, the view's JPEG bytes) from one decode."""
+        image = self.decode_upright(data)
+        return self.pixels(_to_rgb(image)), make_view(image, self.settings)
+
+    def pixels(self, image):
+        """Upright RGB PIL image -> uint8 [3, crop, crop]."""
         crop = self.settings.crop_size
         side = min(image.size) * crop / self.settings.resize_shorter_side
         left = (image.width - side) / 2
@@ -98,6 +118,10 @@ class ImagePreprocessor:
 
     def decode(self, data):
         """Encoded bytes -> upright RGB PIL image, or InvalidImage saying what is wrong."""
+        return _to_rgb(self.decode_upright(data))
+
+    def decode_upright(self, data):
+        """Encoded bytes -> upright PIL image in its own mode (alpha kept), or InvalidImage."""
         limits = self.settings
         if len(data) == 0:
             raise InvalidImage("IMAGE is empty (0 bytes); send the encoded file bytes")
@@ -135,13 +159,47 @@ class ImagePreprocessor:
                 image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
         try:
             image.load()  # GIF and other animations: the first frame is the one loaded
-            image = ImageOps.exif_transpose(image)
-            return _to_rgb(image)
+            return ImageOps.exif_transpose(image)
         except Image.DecompressionBombError as error:
             raise InvalidImage(f"IMAGE is too large: {error}") from None
         except (OSError, SyntaxError, ValueError) as error:
             # Truncated or corrupt pixel data: Pillow reports "image file is truncated" etc.
             raise InvalidImage(f"IMAGE {image.format} data is corrupt or truncated: {error}") from None
+
+
+def make_view(image, settings):
+    """An upright decoded image -> JPEG bytes for the LLM: alpha flattened on
+    white (a transparent background reads as white, not as the colour hidden
+    under it), long side at most view_max_side (aspect kept), at most
+    view_max_bytes (lower quality first, then smaller)."""
+    image = _flatten_on_white(image)
+    side = settings.view_max_side
+    if max(image.size) > side:
+        scale = side / max(image.size)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        # reducing_gap: a cheap integer pre-shrink first, then the filter on the rest.
+        image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=2.0)
+    quality = settings.view_quality
+    while True:
+        out = io.BytesIO()
+        image.save(out, "JPEG", quality=quality)
+        if out.tell() <= settings.view_max_bytes:
+            return out.getvalue()
+        if quality > 50:
+            quality = max(50, quality - 15)
+        else:  # still too large at quality 50: a smaller picture, not a worse one
+            image = image.resize((max(1, image.width * 3 // 4), max(1, image.height * 3 // 4)),
+                                 Image.Resampling.BICUBIC)
+
+
+def _flatten_on_white(image):
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return _to_rgb(image)
 
 
 def _to_rgb(image):

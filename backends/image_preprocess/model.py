@@ -1,10 +1,12 @@
-"""Triton adapter for image_decode: IMAGE (encoded bytes) -> PIXELS (FP32 [3,crop,crop]).
+"""Triton adapter for image_decode: IMAGE (encoded bytes) -> PIXELS (FP32 [3,crop,crop]),
+and VIEW (the JPEG the describe step shows the LLM) when a request asks for it.
 
 Owns the tensor names and every pb_utils call; the decoding rules live in image_decode.py.
 A refused IMAGE is answered in the error contract (error_contract.py, a link to openai_describe's).
 """
 
 import json
+import os
 import traceback
 
 import numpy as np
@@ -16,6 +18,7 @@ from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_set
 
 INPUT_NAME = "IMAGE"
 OUTPUT_NAME = "PIXELS"
+VIEW_NAME = "VIEW"
 
 
 def config_parameters(model_config):
@@ -48,6 +51,11 @@ class TritonPythonModel:
         # (e.g. a format whose header size differs from what it decodes to).
         Image.MAX_IMAGE_PIXELS = settings.max_pixels
         self.preprocessor = ImagePreprocessor(settings)
+        # The view costs an encode: made only for a request that asks for VIEW (an ensemble asks for
+        # what its steps map: classify does not, classify_and_describe does), and never when the
+        # describe step's vision is off for the whole server (LLM_VISION=off): docs/DESIGN.md#the-view.
+        self.has_view = pb_utils.get_output_config_by_name(model_config, VIEW_NAME) is not None
+        self.vision_off = os.environ.get("LLM_VISION", "").strip().lower() == "off"
         return settings
 
     def execute(self, requests):
@@ -58,9 +66,16 @@ class TritonPythonModel:
         try:
             images = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
             # [batch, 1] bytes objects; each request may carry several images.
-            pixels = np.stack([self.preprocessor(bytes(item)) for item in images.reshape(-1)])
-            tensor = pb_utils.Tensor(OUTPUT_NAME, pixels.astype(self.output_dtype, copy=False))
-            return pb_utils.InferenceResponse(output_tensors=[tensor])
+            items = [bytes(item) for item in images.reshape(-1)]
+            if not self._wants_view(request):
+                pixels = np.stack([self.preprocessor(item) for item in items])
+                return pb_utils.InferenceResponse(output_tensors=[self._pixels(pixels)])
+            pairs = [self.preprocessor.with_view(item) if not self.vision_off else (self.preprocessor(item), b"")
+                     for item in items]
+            pixels = np.stack([pixel for pixel, _ in pairs])
+            # b"": no view made (vision off); describe then says so in USAGE.
+            views = np.array([[view] for _, view in pairs], dtype=np.object_)
+            return pb_utils.InferenceResponse(output_tensors=[self._pixels(pixels), pb_utils.Tensor(VIEW_NAME, views)])
         except InvalidImage as error:
             return _error_response(contract.tagged(contract.INVALID_INPUT, str(error), INPUT_NAME),
                                    pb_utils.TritonError.INVALID_ARG)
@@ -68,6 +83,15 @@ class TritonPythonModel:
             self.log.error(f"unexpected error:\n{traceback.format_exc()}")
             return _error_response(contract.tagged(contract.INTERNAL, "internal error while preprocessing IMAGE"),
                                    pb_utils.TritonError.INTERNAL)
+
+    def _wants_view(self, request):
+        if not self.has_view:
+            return False
+        names = request.requested_output_names()
+        return names is None or VIEW_NAME in names  # None: every output (a client that named none)
+
+    def _pixels(self, pixels):
+        return pb_utils.Tensor(OUTPUT_NAME, pixels.astype(self.output_dtype, copy=False))
 
     def finalize(self):
         self.log.info("unloaded")

@@ -23,6 +23,10 @@ class Usage:
     # answer, passed on as it came (the OpenAI front answers with it); None
     # for a fallback, a stream cut short, or an upstream that sent none.
     finish_reason: str = None
+    # Whether the LLM was shown the photo; when not, why (off, no_view, refused_by_upstream,
+    # fallback). Image tokens are in prompt_tokens, as the upstream counts them.
+    vision: bool = False
+    vision_skipped_reason: str = None
     # Streams only (describe_stream), left out of the JSON otherwise: from the
     # step receiving the request to the first text chunk sent, and the chunks sent.
     time_to_first_token_ms: float = None

@@ -5,7 +5,9 @@ reads a stream). Runs on one asyncio loop; knows nothing about Triton.
 """
 
 import asyncio
+import base64
 import dataclasses
+import hashlib
 import random
 import time
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from llm_cache import LRUCache, cache_key
 from prompting import build_messages, fallback_description
 from resilience import (
     ANSWER_TOO_LONG,
+    IMAGE_REFUSED,
     AnswerTooLarge,
     Cancelled,
     CircuitBreaker,
@@ -27,6 +30,7 @@ from resilience import (
     MalformedResponse,
     backoff_delay,
     classify_status,
+    refuses_image,
 )
 from settings import Overrides
 from streaming import StreamedAnswer
@@ -54,19 +58,40 @@ class Job:
     scores: tuple
     prompt: str
     overrides: Overrides
+    # The photo as the LLM sees it (preprocess's VIEW, a JPEG), or None: text only,
+    # and then why not (vision_skipped): off, no_view, refused_by_upstream.
+    image: bytes = dataclasses.field(default=None, repr=False)  # never in a log line
+    vision_skipped: str = None
+    conversation: tuple = ()    # ((role, content), ...): the client's system messages and earlier turns
+    response_format: dict = None  # OpenAI's response_format object, passed on as it came
 
     @property
     def model(self):
         return self.overrides.model
 
     def messages(self, settings):
-        return build_messages(settings, self.labels, self.scores, self.prompt)
+        image_url = None if self.image is None else "data:image/jpeg;base64," + base64.b64encode(self.image).decode()
+        return build_messages(settings, self.labels, self.scores, self.prompt, image_url, self.conversation)
+
+    def cache_key(self, settings):
+        """The answer cache's key: everything the upstream is sent, with the photo
+        as its digest (two photos with equal labels never share an answer)."""
+        image_url = None if self.image is None else "sha256:" + hashlib.sha256(self.image).hexdigest()
+        o = self.overrides
+        return cache_key(o.model, o.temperature, o.max_tokens,
+                         build_messages(settings, self.labels, self.scores, self.prompt, image_url, self.conversation),
+                         self.response_format)
+
+    def text_only(self, reason):
+        return dataclasses.replace(self, image=None, vision_skipped=reason)
 
     def body(self, messages, **extra):
         """The chat-completions request body."""
         o = self.overrides
-        return {"model": o.model, "messages": messages, "max_tokens": o.max_tokens, "temperature": o.temperature,
-                **extra}
+        body = {"model": o.model, "messages": messages, "max_tokens": o.max_tokens, "temperature": o.temperature}
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
+        return {**body, **extra}
 
 
 @dataclass(frozen=True)
@@ -160,6 +185,7 @@ class Describer:
         self._in_flight = 0
         self._queued = 0
         self._breakers = {}
+        self._image_refused_until = {}  # model -> until when it is asked text-only (vision=auto)
         self._last_warned = {}
         self._cache = LRUCache(settings.cache_max_entries, settings.cache_ttl_s, clock) \
             if settings.cache_enabled else None
@@ -187,8 +213,10 @@ class Describer:
         return result
 
     async def _describe(self, job, is_cancelled, emit, started):
+        if job.image is not None and self._refused_image(job.model):
+            job = job.text_only("refused_by_upstream")
         messages = job.messages(self.settings)
-        key, cached = self._lookup(job, messages)
+        key, cached = self._lookup(job)
         if cached is not None:
             # Nothing was spent on this request: the USAGE sums stay the real bill.
             text, finish_reason = cached
@@ -200,13 +228,27 @@ class Describer:
             return self._fallback(job, Usage(job.model), "no_api_key", emit)
 
         usage = Usage(job.model)
-        call = Call(self._client, job, messages, usage, lambda task, timeout: self._wait(task, timeout, is_cancelled),
-                    lambda reported: self._bill(job, usage, reported), self.classify_failure, self._release_slot,
-                    is_cancelled, self._clock, started + self.settings.total_timeout_s,
-                    answer_chars_limit(self.settings, job.overrides))
-        reader = WholeAnswer(call) if emit is None else StreamedAnswer(call, emit)
+
+        def reader_for(job, messages):
+            call = Call(self._client, job, messages, usage,
+                        lambda task, timeout: self._wait(task, timeout, is_cancelled),
+                        lambda reported: self._bill(job, usage, reported), self.classify_failure, self._release_slot,
+                        is_cancelled, self._clock, started + self.settings.total_timeout_s,
+                        answer_chars_limit(self.settings, job.overrides))
+            return WholeAnswer(call) if emit is None else StreamedAnswer(call, emit)
+
+        reader = reader_for(job, messages)
         try:
             answer = await self._attempts(job, usage, is_cancelled, reader.attempt, keep_slot=reader.keeps_slot)
+            if answer == IMAGE_REFUSED and job.image is not None and self.settings.vision == "auto":
+                # A model that takes no images: ask again text-only at once, and text-only
+                # for a while (the refusal cost a round trip; it must not cost one per request).
+                self._remember_image_refusal(job.model)
+                job = job.text_only("refused_by_upstream")
+                messages = job.messages(self.settings)
+                key = job.cache_key(self.settings) if key is not None else None
+                reader = reader_for(job, messages)
+                answer = await self._attempts(job, usage, is_cancelled, reader.attempt, keep_slot=reader.keeps_slot)
             if isinstance(answer, str):
                 return self._fallback(job, usage, answer, emit)
             text, finish_reason, failure = await reader.read(answer)
@@ -224,12 +266,11 @@ class Describer:
             self._cache.put(key, (text, finish_reason))
         return self._done(job, Result(text, "llm", usage, "ok" if usage.attempts == 1 else "retried"))
 
-    def _lookup(self, job, messages):
+    def _lookup(self, job):
         """(cache key or None, the cached (text, finish_reason) or None)."""
         if self._cache is None:
             return None, None
-        o = job.overrides
-        key = cache_key(o.model, o.temperature, o.max_tokens, messages)
+        key = job.cache_key(self.settings)
         cached = self._cache.get(key)
         self.observer.cache(cached is not None)
         return key, cached
@@ -365,6 +406,8 @@ class Describer:
         """The Failure an upstream attempt's exception stands for (rate-limited warning logged)."""
         if _caused_by(exc, AnswerTooLarge):  # raised under the SDK, which wraps it
             failure = ANSWER_TOO_LONG
+        elif isinstance(exc, openai.APIStatusError) and refuses_image(exc.status_code, exc.body, exc.message):
+            failure = Failure(IMAGE_REFUSED, retryable=False, upstream_fault=False)
         elif isinstance(exc, openai.APIStatusError):
             failure = classify_status(exc.status_code, exc.response.headers)
         elif isinstance(exc, (TimeoutError, openai.APIConnectionError)):
@@ -399,8 +442,21 @@ class Describer:
         return self._done(job, result)
 
     def _done(self, job, result):
+        # Whether the LLM saw the photo: only an LLM answer (or a cached one) to a request that carried it.
+        saw = job.image is not None and result.source != "fallback"
+        result.usage.vision = saw
+        result.usage.vision_skipped_reason = None if saw else (job.vision_skipped or "fallback")
         self.observer.request_done(job.model, result.outcome, result.usage)
         return result
+
+    def _refused_image(self, model):
+        until = self._image_refused_until.get(model)
+        return until is not None and self._clock() < until
+
+    def _remember_image_refusal(self, model):
+        self._image_refused_until[model] = self._clock() + self.settings.vision_refusal_memory_s
+        self._warn_rate_limited("image_refusal_remembered", f"upstream model '{model}' refused image input: asking it text-only "
+                                f"for {self.settings.vision_refusal_memory_s:g} s (vision=auto)")
 
     def _breaker(self, model):
         breaker = self._breakers.get(model)

@@ -12,8 +12,9 @@ import json
 import time
 
 
-def cache_key(model, temperature, max_tokens, messages):
-    blob = json.dumps([model, temperature, max_tokens, messages], sort_keys=True, separators=(",", ":"))
+def cache_key(model, temperature, max_tokens, messages, response_format=None):
+    blob = json.dumps([model, temperature, max_tokens, messages, response_format], sort_keys=True,
+                      separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -8,6 +8,19 @@ from dataclasses import dataclass
 
 # Status codes that retrying cannot fix: the request or the credentials are wrong.
 NO_RETRY_STATUS = {400, 401, 403, 404, 422}
+# The reason of an attempt whose model refused the image part (vision=auto then asks text-only).
+IMAGE_REFUSED = "image_refused_by_upstream"
+# What upstreams say when a model takes no images: OpenAI "... does not support image input" /
+# "image_url is only supported by certain models", vLLM "... is not a multimodal model", and the like.
+_IMAGE_WORDS = ("image", "multimodal", "vision")
+
+
+def refuses_image(status, body, message):
+    """Whether an error answer says the model does not take image input."""
+    if status not in (400, 422):
+        return False
+    text = f"{message} {body}".lower()
+    return any(word in text for word in _IMAGE_WORDS)
 
 
 class Cancelled(Exception):

@@ -3,6 +3,8 @@
 The SDK's exception text can quote the upstream's error body, and some
 upstreams echo the key they were given ("Incorrect API key provided: sk-...").
 So every message derived from an exception goes through `scrub` first.
+Upstreams that quote the request back (validation errors) may quote the
+photo's data URI too: it is masked as well, and so is any long base64 run.
 """
 
 import re
@@ -13,6 +15,8 @@ _PATTERNS = [
     re.compile(r"(?i)(bearer\s+)[^\s\"',]+"),
     re.compile(r"\bsk-[A-Za-z0-9_\-]{6,}"),
     re.compile(r"(?i)(api[_-]?key[\"']?\s*[:=]\s*[\"']?)[^\s\"',]+"),
+    re.compile(r"(?i)(data:[\w/+.-]*;base64,)[A-Za-z0-9+/=]+"),
+    re.compile(r"[A-Za-z0-9+/]{200,}={0,2}"),
 ]
 MASK = "***"
 

@@ -20,16 +20,19 @@ import string
 from dataclasses import dataclass, field
 
 DEFAULT_SYSTEM_PROMPT = (
-    "You describe objects recognised in a photo by an image classifier. "
-    "Use the classifier's labels and confidences; say when it is unsure. "
+    "You describe a photo. You get the top labels of an ImageNet image classifier with their "
+    "confidences, and the photo itself when it is attached. Look at the photo when you have it; "
+    "use the labels as hints and say when the classifier is unsure. "
     "Answer in plain prose, at most a short paragraph."
 )
 DEFAULT_PROMPT_TEMPLATE = (
-    "{prompt}\n\nThe image classifier's top labels, with confidence:\n{labels}"
+    "{prompt}\n\nAn ImageNet image classifier's top labels for this photo, with confidence:\n{labels}"
 )
 # The placeholders a prompt template may use (see prompting.py).
 TEMPLATE_FIELDS = {"prompt", "labels", "top_label"}
 ON_FAILURE = ("fallback", "error")
+VISION = ("off", "on", "auto")
+VISION_DETAIL = ("low", "high", "auto")
 
 
 class ConfigError(ValueError):
@@ -111,6 +114,18 @@ class Settings:
     cache_enabled: bool = True
     cache_max_entries: int = 10000
     cache_ttl_s: float = 3600.0
+    # Whether the LLM is shown the photo (VIEW, made by preprocess) as an image part of the user
+    # message: "on" always, "auto" unless the model refused image input (then text-only for
+    # vision_refusal_memory_s), "off" never (docs/llm-endpoints.md#vision).
+    vision: str = "auto"
+    vision_detail: str = "low"  # the image part's detail: "low" is OpenAI's 85-token tier
+    vision_refusal_memory_s: float = 600.0
+    # A VIEW over this is refused (preprocess makes at most its view_max_bytes): a client calling
+    # describe directly must not push megabytes to the paid upstream.
+    max_view_bytes: int = 1048576
+    # The client's system messages and earlier turns (request parameter `conversation`).
+    max_conversation_messages: int = 32
+    max_conversation_chars: int = 32000
     # A streaming model that takes a photo (IMAGE) asks this model for LABELS and
     # SCORES first (BLS); empty: requests carry LABELS and SCORES themselves.
     classify_model: str = ""
@@ -225,6 +240,8 @@ def _convert(name, kind, text):
         if not math.isfinite(value):
             raise ValueError("must be finite")
         return value
+    if name in ("vision", "vision_detail", "on_failure"):
+        return text.strip().lower()
     if name == "allowed_models":
         return tuple(p.strip() for p in text.split(",") if p.strip())
     if name == "model_prices":
@@ -295,7 +312,7 @@ def _validate(s):
             problems.append(f"{name} must be >= 0")
     for name in ("max_attempts", "circuit_failure_threshold", "max_in_flight", "cache_max_entries",
                  "max_prompt_chars", "max_labels", "max_label_chars", "max_open_streams", "max_photos_waiting",
-                 "max_answer_chars"):
+                 "max_answer_chars", "max_view_bytes", "max_conversation_messages", "max_conversation_chars"):
         if getattr(s, name) < 1:
             problems.append(f"{name} must be >= 1")
     if s.timeout_s > s.total_timeout_s:
@@ -307,6 +324,12 @@ def _validate(s):
         problems.append("max_request_models must be >= 0")
     if s.on_failure not in ON_FAILURE:
         problems.append(f"on_failure must be one of {ON_FAILURE}")
+    if s.vision not in VISION:
+        problems.append(f"vision must be one of {VISION}")
+    if s.vision_detail not in VISION_DETAIL:
+        problems.append(f"vision_detail must be one of {VISION_DETAIL}")
+    if s.vision_refusal_memory_s < 0:
+        problems.append("vision_refusal_memory_s must be >= 0")
     try:
         fields = {f for _, f, _, _ in string.Formatter().parse(s.prompt_template) if f is not None}
     except ValueError as exc:

@@ -191,17 +191,21 @@ class PhotoStreamAdapter(StreamAdapter):
         one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
         if cancelled.refresh():  # it waited for a thread: the client may have gone meanwhile
             return None
+        # VIEW (the photo as the LLM sees it) only when the LLM may see it.
+        wanted = ["LABELS", "SCORES"] + (["VIEW"] if self.settings.vision != "off" else [])
         response = pb_utils.InferenceRequest(
             model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
-            requested_output_names=["LABELS", "SCORES"]).exec()
+            requested_output_names=wanted).exec()
         if response.has_error():
             error = response.error()
             code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
             raise io.Reject(error.message(), code)  # in the error contract already (image_preprocess)
         labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
         scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
+        view = pb_utils.get_output_tensor_by_name(response, "VIEW")
         try:
-            job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings)
+            job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings,
+                              view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue)
         except (io.InvalidInput, PromptError) as exc:
             # The PROMPT passed these checks in execute(): what fails is the classifier's
             # output (a bring-your-own one with long labels or NaN scores), the server's fault.

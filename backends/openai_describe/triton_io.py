@@ -13,8 +13,10 @@ import triton_python_backend_utils as pb_utils
 
 import error_contract as contract
 from describer import Job
-from prompting import PromptError, read_labels, read_prompt
+from prompting import PromptError, read_conversation, read_labels, read_prompt, read_response_format
 from settings import InvalidOverride, Overrides
+
+JPEG_START = b"\xff\xd8\xff"
 
 
 class InvalidInput(ValueError):
@@ -45,9 +47,25 @@ class PhotoJob:
     image: np.ndarray  # the IMAGE input, copied out of the request
     prompt: object     # the raw PROMPT element, or None
     overrides: Overrides
+    dialogue: "Dialogue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dialogue:
+    """What the OpenAI front passes besides the question, as request parameters."""
+
+    conversation: tuple = ()
+    response_format: dict = None
 
 
 # -- requests in -------------------------------------------------------------------
+
+def read_parameters(request, settings):
+    """(Overrides, Dialogue) from the request parameters; raises InvalidOverride."""
+    params = json.loads(request.parameters() or "{}")
+    overrides = settings.resolve_overrides(params)
+    return overrides, Dialogue(read_conversation(params, settings), read_response_format(params, settings))
+
 
 def read_jobs(request, settings, request_models):
     """One Job per batch row; raises one of REFUSALS."""
@@ -56,12 +74,13 @@ def read_jobs(request, settings, request_models):
     if labels is None or scores is None:
         raise InvalidInput("LABELS and SCORES are required", "LABELS" if labels is None else "SCORES")
     prompts = input_array(request, "PROMPT")
+    views = input_array(request, "VIEW")
     if labels.shape != scores.shape or labels.ndim != 2 or labels.shape[1] == 0:
         raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
                            "must have the same non-empty shape", "LABELS")
-    overrides = settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+    overrides, dialogue = read_parameters(request, settings)
     jobs = [job_from(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
-                     overrides, settings)
+                     overrides, settings, views[row].reshape(-1)[0] if views is not None else None, dialogue)
             for row in range(labels.shape[0])]
     # Last, so that a request refused for another reason takes no place under the cap.
     request_models.admit(overrides.model)
@@ -77,18 +96,37 @@ def read_photo_job(request, settings, request_models):
     prompts = input_array(request, "PROMPT")
     prompt = prompts.reshape(-1)[0] if prompts is not None else None
     read_prompt(prompt, settings.max_prompt_chars)
-    overrides = settings.resolve_overrides(json.loads(request.parameters() or "{}"))
+    overrides, dialogue = read_parameters(request, settings)
     request_models.admit(overrides.model)
-    return PhotoJob(_photo(image), prompt, overrides)
+    return PhotoJob(_photo(image), prompt, overrides, dialogue)
 
 
-def job_from(labels, scores, raw_prompt, overrides, settings):
+def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dialogue=Dialogue()):
     row_scores = tuple(float(x) for x in scores)
     if not all(math.isfinite(x) for x in row_scores):
         raise InvalidInput("SCORES must be finite", "SCORES")
     prompt = read_prompt(raw_prompt, settings.max_prompt_chars)
+    image, skipped = read_view(raw_view, settings)
     return Job(labels=read_labels(labels, settings), scores=row_scores,
-               prompt=prompt or settings.default_prompt, overrides=overrides)
+               prompt=prompt or settings.default_prompt, overrides=overrides, image=image, vision_skipped=skipped,
+               conversation=dialogue.conversation, response_format=dialogue.response_format)
+
+
+def read_view(raw, settings):
+    """(the VIEW's JPEG bytes or None, why none). A VIEW comes from preprocess, but
+    describe is public: a caller's own must be a JPEG within max_view_bytes. The
+    message never quotes its bytes."""
+    if settings.vision == "off":
+        return None, "off"
+    if raw is None or len(raw) == 0:
+        return None, "no_view"
+    view = bytes(raw)
+    if not view.startswith(JPEG_START):
+        raise InvalidInput("VIEW must be a JPEG (the photo as preprocess re-encodes it)", "VIEW")
+    if len(view) > settings.max_view_bytes:
+        raise InvalidInput(f"VIEW is {len(view)} bytes, more than the limit max_view_bytes="
+                           f"{settings.max_view_bytes} (model config)", "VIEW")
+    return view, None
 
 
 def input_array(request, name):

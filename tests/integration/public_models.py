@@ -10,7 +10,7 @@ import numpy as np
 from .raw_infer import bytes_tensor, fp32_tensor, uint8_tensor
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-MODELS = ("classify_and_describe", "classify", "preprocess", "classifier", "describe")
+MODELS = ("classify_and_describe", "classify", "classify_with_view", "preprocess", "classifier", "describe")
 # Decoupled: no HTTP /infer, so the suites above do not apply; tests/integration/test_streaming.py
 # sends them the same classes of requests over gRPC streams and HTTP generate_stream.
 STREAM_MODELS = ("classify_and_describe_stream", "describe_stream")
@@ -35,7 +35,7 @@ class ValidRequests:
         image = bytes_tensor("IMAGE", [[self.coffee]])
         if model == "classify_and_describe":
             return [image, bytes_tensor("PROMPT", [[self.prompt]])]
-        if model in ("classify", "preprocess"):
+        if model in ("classify", "classify_with_view", "preprocess"):
             return [image]
         if model == "classifier":
             return [uint8_tensor("PIXELS", self.pixels)]
@@ -58,6 +58,10 @@ class ValidRequests:
             scores = outputs["SCORES"].reshape(-1)
             if not (np.all(np.isfinite(scores)) and np.all(np.diff(scores) <= 0) and 0 < scores[0] <= 1):
                 problems.append(f"SCORES {scores.tolist()} are not sorted probabilities")
+        if "VIEW" in outputs:
+            view = outputs["VIEW"].reshape(-1)[0]
+            if not view.startswith(b"\xff\xd8\xff"):
+                problems.append(f"VIEW is not a JPEG: {view[:8]!r}")
         if "DESCRIPTION_SOURCE" in outputs and outputs["DESCRIPTION_SOURCE"].reshape(-1)[0] != b"llm":
             problems.append(f"DESCRIPTION_SOURCE {outputs['DESCRIPTION_SOURCE'].reshape(-1)[0]!r}")
         if "DESCRIPTION" in outputs and not outputs["DESCRIPTION"].reshape(-1)[0].startswith(b"Fake answer #"):

@@ -57,8 +57,9 @@ def test_http_photo_and_question_in_one_request(triton, photos, llm):
     body, = upstream_bodies_containing(llm, prompt)
     system, user = body["messages"][0], body["messages"][-1]
     assert system["role"] == "system" and prompt not in system["content"]
-    assert user["role"] == "user" and prompt in user["content"]
-    assert result.labels[0] in user["content"]  # the classification reached the LLM
+    text, image = user["content"]  # the question with the labels, and the photo (tests/integration/test_vision.py)
+    assert user["role"] == "user" and prompt in text["text"] and image["type"] == "image_url"
+    assert result.labels[0] in text["text"]  # the classification reached the LLM
 
 
 def test_grpc_photo_and_question_in_one_request(triton, photos, llm):

@@ -133,7 +133,7 @@ def test_prompt_injection_stays_inside_the_user_message(triton, photos, llm):
     system, user = body["messages"]
     assert (system["role"], user["role"]) == ("system", "user")
     assert system["content"] == DEFAULT_SYSTEM_PROMPT  # byte-identical to config (the committed default)
-    assert injection in user["content"]
+    assert injection in user["content"][0]["text"]  # the text part; the photo is the other
     assert "system_prompt" not in (REPO / "model_repository/describe/config.pbtxt").read_text().split(
         "parameters [", 1)[1]  # so the default above is what config serves
 

@@ -36,6 +36,7 @@ RSS_GROWTH_LIMIT_MB = 800
 BYTES_INPUTS = {  # model -> its client-supplied BYTES inputs
     "classify_and_describe": ("IMAGE", "PROMPT"),
     "classify": ("IMAGE",),
+    "classify_with_view": ("IMAGE",),
     "preprocess": ("IMAGE",),
     "describe": ("LABELS", "PROMPT"),
     "classifier": (),

@@ -217,7 +217,9 @@ def test_the_sdk_gets_the_description_usage_and_the_labels_of_the_same_request_s
     choice = completion.choices[0]
     assert choice.finish_reason == "stop" and choice.message.role == "assistant"
     assert choice.message.content.startswith("Fake answer #")
-    assert prompt in llm.admin("stats")["bodies"][-1]["messages"][-1]["content"], "the text part is the PROMPT"
+    seen = llm.admin("stats")
+    assert prompt in seen["bodies"][-1]["messages"][-1]["content"][0]["text"], "the text part is the PROMPT"
+    assert seen["images"][-1][0]["format"] == "JPEG" and seen["images"][-1][0]["width"] == 451  # the photo, as its view
     usage = completion.usage
     assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens

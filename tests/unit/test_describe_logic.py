@@ -141,4 +141,5 @@ def test_usage_json_and_cost():
     usage = json.loads(Usage("m", 10, 5, 15, 1.23456789012e-5, 12.345, 2).to_json())
     assert usage == {"model": "m", "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                      "cost_usd": 1.2346e-05, "upstream_latency_ms": 12.3, "attempts": 2,
-                     "cached": False, "fallback_reason": None, "finish_reason": None}
+                     "cached": False, "fallback_reason": None, "finish_reason": None,
+                     "vision": False, "vision_skipped_reason": None}

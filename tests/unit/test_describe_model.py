@@ -251,3 +251,53 @@ def test_request_chosen_models_are_capped(fake_pb_utils_module, fake, monkeypatc
         assert len({m.labels["upstream_model"] for m in circuits}) <= served + 1
     finally:
         model.finalize()
+
+
+def view_request(pb_utils, view, parameters=None):
+    req = request(pb_utils, prompt="What breed?", parameters=parameters)
+    req._inputs["VIEW"] = pb_utils.Tensor("VIEW", np.array([[view]], dtype=np.object_))
+    return req
+
+
+@pytest.mark.parametrize("view, parameters, code, field, words", [
+    (b"GIF89a not a jpeg", None, "invalid_input", "VIEW", "VIEW must be a JPEG"),
+    (b"\xff\xd8\xff" + b"x" * 5000, None, "invalid_input", "VIEW", "max_view_bytes=4096"),
+    (b"", {"conversation": '[{"role": "tool", "content": "x"}]'}, "invalid_parameter", "conversation", "role"),
+    (b"", {"response_format": '{"type": "yaml"}'}, "invalid_parameter", "response_format", "type is one of"),
+])
+def test_a_bad_view_conversation_or_response_format_is_refused_naming_it(fake_pb_utils_module, fake, monkeypatch,
+                                                                         view, parameters, code, field, words):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, max_view_bytes="4096")
+    try:
+        req = view_request(pb_utils, view, parameters)
+        model.execute([req])
+        error = req.get_response_sender().wait().error()
+        assert error.code() == pb_utils.TritonError.INVALID_ARG
+        assert error.message().startswith(f"[code={code} field={field}] ") and words in error.message()
+        assert "x" * 100 not in error.message()  # never quotes the view
+        assert fake.stats()["requests"] == 0
+    finally:
+        model.finalize()
+
+
+def test_a_view_reaches_the_llm_and_an_empty_one_is_text_only(fake_pb_utils_module, fake, monkeypatch):
+    import io
+
+    from PIL import Image
+
+    pb_utils = fake_pb_utils_module
+    buffer = io.BytesIO()
+    Image.new("RGB", (30, 20), "white").save(buffer, "JPEG")
+    model = make_model(monkeypatch, fake.base_url)
+    try:
+        seen, empty = view_request(pb_utils, buffer.getvalue()), view_request(pb_utils, b"")
+        model.execute([seen])
+        usage = json.loads(outputs(seen.get_response_sender().wait())["USAGE"])
+        assert usage["vision"] is True and fake.stats()["images"][-1][0]["width"] == 30
+        model.execute([empty])
+        usage = json.loads(outputs(empty.get_response_sender().wait())["USAGE"])
+        assert usage["vision"] is False and usage["vision_skipped_reason"] == "no_view"
+        assert fake.stats()["images"][-1] == []
+    finally:
+        model.finalize()

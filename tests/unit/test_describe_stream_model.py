@@ -153,6 +153,16 @@ def photo_request(pb_utils):
     return pb_utils.InferenceRequest({"IMAGE": np.array([[b"\xff\xd8 a photo"]], dtype=np.object_)})
 
 
+def stream_one_photo(model, pb_utils):
+    """One photo request's stream on `model`, which is finalized after: (the request, what it sent)."""
+    try:
+        req = photo_request(pb_utils)
+        model.execute([req])
+        return req, sent(req, pb_utils)
+    finally:
+        model.finalize()
+
+
 @pytest.mark.parametrize("labels, scores, problem", [
     ([b"x" * 300] + [b"cat"] * 4, [0.5] * 5, "LABELS[0] has 300 characters"),
     ([b"cat"] * 5, [math.nan] * 5, "SCORES must be finite"),
@@ -166,19 +176,14 @@ def test_classifier_output_the_describe_step_cannot_use_is_a_clear_error(
     pb_utils = fake_pb_utils_module
 
     def classifier(bls_request):
-        assert bls_request.requested_output_names() == ["LABELS", "SCORES"]
+        assert bls_request.requested_output_names() == ["LABELS", "SCORES", "VIEW"]  # vision auto: the view too
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("LABELS", np.array([labels], dtype=np.object_)),
             pb_utils.Tensor("SCORES", np.array([scores], dtype=np.float32))])
 
     monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify", classifier)
     model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify")
-    try:
-        req = photo_request(pb_utils)
-        model.execute([req])
-        responses = sent(req, pb_utils)
-    finally:
-        model.finalize()
+    req, responses = stream_one_photo(model, pb_utils)
     assert len(responses) == 1, responses
     error, final = responses[0]
     assert final and isinstance(error, pb_utils.TritonError), responses
@@ -201,12 +206,7 @@ def test_a_photo_stream_sends_the_classifiers_labels_first(fake_pb_utils_module,
 
     monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify", classifier)
     model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify")
-    try:
-        req = photo_request(pb_utils)
-        model.execute([req])
-        responses = sent(req, pb_utils)
-    finally:
-        model.finalize()
+    req, responses = stream_one_photo(model, pb_utils)
     assert responses[0] == (["LABELS", "SCORES"], False) and responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)
     assert req.get_response_sender().responses[0].output("LABELS")[0][0] == b"tabby, tabby cat"
 
@@ -352,3 +352,36 @@ def test_a_stream_cancelled_before_its_llm_call_makes_none(fake_pb_utils_module,
     assert responses[0] == (["LABELS", "SCORES"], False) and len(responses) == 2, responses
     assert responses[1][0].code() == pb_utils.TritonError.CANCELLED
     assert fake.stats()["requests"] == 0
+
+
+@pytest.mark.parametrize("vision", ["auto", "off"])
+def test_a_photo_stream_shows_the_llm_the_classify_models_view(fake_pb_utils_module, fake, monkeypatch, vision):
+    """classify_with_view's VIEW goes to the LLM as the image part; with vision off it is not even asked for."""
+    import io
+
+    from PIL import Image
+
+    pb_utils = fake_pb_utils_module
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (9, 200, 9)).save(buffer, "JPEG")
+    asked = []
+
+    def classifier(bls_request):
+        asked.append(bls_request.requested_output_names())
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("LABELS", np.array([[b"tabby, tabby cat", b"tiger cat"]], dtype=np.object_)),
+            pb_utils.Tensor("SCORES", np.array([[0.7, 0.2]], dtype=np.float32)),
+            pb_utils.Tensor("VIEW", np.array([[buffer.getvalue()]], dtype=np.object_))])
+
+    monkeypatch.setitem(pb_utils.InferenceRequest.models, "classify_with_view", classifier)
+    monkeypatch.setenv("LLM_VISION", vision)
+    model = make_stream_model(monkeypatch, fake.base_url, classify_model="classify_with_view")
+    req, responses = stream_one_photo(model, pb_utils)
+    usage = json.loads(req.get_response_sender().responses[-1].output("USAGE")[0][0])
+    images = fake.stats()["images"][-1]
+    if vision == "off":
+        assert asked == [["LABELS", "SCORES"]] and images == [] and usage["vision_skipped_reason"] == "off"
+    else:
+        assert [(i["format"], i["width"], i["height"]) for i in images] == [("JPEG", 40, 30)]
+        assert usage["vision"] is True
+    assert responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)

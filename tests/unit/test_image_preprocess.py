@@ -405,3 +405,88 @@ def test_a_multi_picture_jpeg_is_a_jpeg_decoded_at_reduced_scale(preprocessor, p
     assert full.size == (4032, 3024)  # the first picture, not the small one after it
     # The pixels are those of the first picture, as the plain JPEG gives them.
     assert np.abs(preprocessor(phone_photo_mpo).astype(int) - preprocessor(phone_photo).astype(int)).mean() < 2.0
+
+
+# ---------------------------------------------------------------- the view (what the LLM is shown)
+
+def view_of(data, **settings):
+    pixels, view = ImagePreprocessor(PreprocessSettings(**settings)).with_view(data)
+    assert pixels.shape == (3, 224, 224)
+    return Image.open(io.BytesIO(view)), view
+
+
+def test_the_view_is_a_jpeg_with_its_long_side_bounded_and_the_aspect_kept():
+    image, view = view_of(encode(solid((30, 160, 90), (2000, 1000)), "PNG"))
+    assert image.format == "JPEG" and image.size == (768, 384) and len(view) <= 262144
+    small, _ = view_of(encode(solid((30, 160, 90), (300, 200)), "PNG"))
+    assert small.size == (300, 200)  # never blown up
+
+
+@pytest.mark.parametrize("orientation, size, top_left_color", [
+    (6, (200, 300), (255, 0, 0)),
+    (8, (200, 300), (0, 0, 255)),
+    (3, (300, 200), (0, 0, 255)),
+])
+def test_the_view_is_upright(orientation, size, top_left_color):
+    image = Image.new("RGB", (300, 200), (0, 0, 255))
+    image.paste((255, 0, 0), (0, 0, 150, 200))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    view, _ = view_of(encode(image, "JPEG", exif=exif, quality=95))
+    assert view.size == size and view.getexif().get(0x0112) in (None, 1)
+    assert np.abs(np.asarray(view.convert("RGB"), dtype=int)[10, 10] - top_left_color).max() < 12
+
+
+@pytest.mark.parametrize("mode, fmt", [("RGBA", "PNG"), ("LA", "PNG"), ("P", "PNG"), ("RGBA", "WEBP")])
+def test_the_view_flattens_alpha_on_white(mode, fmt):
+    image = Image.new("RGBA", (120, 80), (200, 0, 0, 0))  # transparent, red hidden underneath
+    image.paste((0, 0, 200, 255), (60, 0, 120, 80))       # opaque blue right half
+    if mode == "LA":
+        image = image.convert("LA")
+    elif mode == "P":
+        image = image.convert("P", palette=Image.Palette.ADAPTIVE, colors=4)
+        image.info["transparency"] = image.getpixel((0, 0))
+    options = {"lossless": True} if fmt == "WEBP" else {}
+    view, _ = view_of(encode(image, fmt, **options))
+    pixels = np.asarray(view.convert("RGB"), dtype=int)
+    assert np.abs(pixels[40, 10] - (255, 255, 255)).max() < 12  # the transparent half is white
+    if mode != "LA":
+        assert np.abs(pixels[40, 100] - (0, 0, 200)).max() < 12
+
+
+def test_the_view_fits_its_byte_bound():
+    noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (700, 700, 3), dtype=np.uint8))
+    image, view = view_of(encode(noise, "PNG"), view_max_bytes=40000)
+    assert len(view) <= 40000 and image.width == image.height  # lower quality, then smaller: aspect kept
+
+
+def view_model(monkeypatch, vision=None):
+    if vision is None:
+        monkeypatch.delenv("LLM_VISION", raising=False)
+    else:
+        monkeypatch.setenv("LLM_VISION", vision)
+    config = model_config()
+    config["output"].append({"name": "VIEW", "data_type": "TYPE_STRING", "dims": [1]})
+    return make_model(config)
+
+
+def asking(names, *images):
+    array = np.array([[data] for data in images], dtype=np.object_)
+    return pb_utils.InferenceRequest({"IMAGE": array}, requested_output_names=names)
+
+
+def test_the_adapter_makes_the_view_only_when_asked(monkeypatch):
+    model = view_model(monkeypatch)
+    photo = encode(solid((10, 200, 10), (1000, 500)), "PNG")
+    with_view, without, every = model.execute([asking(["PIXELS", "VIEW"], photo, photo), asking(["PIXELS"], photo),
+                                               asking(None, photo)])
+    views = with_view.output("VIEW")
+    assert views.shape == (2, 1) and Image.open(io.BytesIO(views[1][0])).size == (768, 384)
+    assert without.output("VIEW") is None and without.output("PIXELS").shape == (1, 3, 224, 224)
+    assert every.output("VIEW") is not None
+
+
+def test_llm_vision_off_makes_no_view(monkeypatch):
+    model = view_model(monkeypatch, "off")
+    [response] = model.execute([asking(["PIXELS", "VIEW"], encode(solid((1, 2, 3)), "PNG"))])
+    assert response.output("VIEW").tolist() == [[b""]]

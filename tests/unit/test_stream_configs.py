@@ -16,7 +16,7 @@ from settings import Settings, parse_settings
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STREAM_ONLY = {  # parameters the streaming models may set differently, and why
     "cancel_poll_s",   # a stream asks more often whether its client left
-    "classify_model",  # classify_and_describe_stream gets LABELS and SCORES from classify
+    "classify_model",  # classify_and_describe_stream gets LABELS, SCORES and VIEW from classify_with_view
 }
 
 
@@ -59,4 +59,4 @@ def test_the_photo_stream_model_has_the_public_contract():
         [(i.name, i.data_type, list(i.dims), i.optional) for i in ensemble.input]
     assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == \
         [(o.name, o.data_type, list(o.dims)) for o in ensemble.output]
-    assert parameters("classify_and_describe_stream")["classify_model"] == "classify"
+    assert parameters("classify_and_describe_stream")["classify_model"] == "classify_with_view"

@@ -4,7 +4,7 @@ It answers POST /v1/chat/completions, and its behaviour can be changed while
 it runs through an admin API on the same port:
 
   POST /_admin/mode   {"mode": "ok" | "429" | "500" | "401" | "hang" | "malformed"
-                                | "drop" | "refuse" | "cut" | "huge" | "flood",
+                                | "drop" | "refuse" | "cut" | "huge" | "flood" | "no_vision",
                        "latency_ms": 0,      # added before every answer (before the first chunk)
                        "chunk_ms": 0,        # streamed answers: added before each further chunk
                        "answer_words": 0,    # pad every answer to at least this many words
@@ -16,7 +16,10 @@ it runs through an admin API on the same port:
   GET  /_admin/stats  requests received, in flight, last Authorization header,
                       requests by Authorization header ("" when absent),
                       recent bodies and arrival times, disconnects (and the
-                      time of each: disconnect_times), streamed answers' texts
+                      time of each: disconnect_times), streamed answers' texts,
+                      images: per request, the image parts it carried, decoded
+                      ({format, width, height, bytes, sha256, detail, corner_rgb}),
+                      in `bodies` each data URI is replaced by "<image sha256=...>"
   POST /_admin/reset  back to "ok" with the start-up latencies; clears the stats
 
 A request with "stream": true is answered with server-sent events as the
@@ -29,6 +32,13 @@ one chunk); "flood" streams chunks of text without end, as fast as it can
 (`chunk_ms` apart), until the client goes away (`flood_chunks` in the stats
 counts them; a plain request gets the "huge" answer).
 
+"no_vision" answers a request that carries an image part with OpenAI's 400
+("... does not support image input", invalid_request_error), like a text-only
+model; text-only requests are answered as "ok". An image part costs 85 prompt
+tokens at detail "low" and 765 otherwise (OpenAI's count for a 768 px photo).
+A request with response_format json_object or json_schema is answered with a
+JSON object {"description": <the answer>}.
+
 "drop" accepts the connection and closes it without an answer; "refuse" stops
 the listener and closes open connections, so new connections are refused,
 then listens again after `duration_s` (the admin API is unreachable while it
@@ -37,13 +47,19 @@ Each "ok" answer is numbered, so a test can tell a cached answer from a new one.
 """
 
 import asyncio
+import base64
+import binascii
+import hashlib
+import io
 import json
 import re
 import time
 
 from aiohttp import web
 
-MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse", "cut", "huge", "flood")
+MODES = ("ok", "429", "500", "401", "hang", "malformed", "drop", "refuse", "cut", "huge", "flood", "no_vision")
+IMAGE_TOKENS = {"low": 85}  # OpenAI's count at detail low; 765 for a 768x768 photo at high
+IMAGE_TOKENS_HIGH = 765
 RECENT = 50  # bodies and arrival times kept for /_admin/stats
 RECENT_ANSWERS = 2000  # streamed answers' texts kept: a 500-stream benchmark compares them all
 FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut "
@@ -102,7 +118,8 @@ class FakeOpenAI:
         self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
                       "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
-                      "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0}
+                      "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0,
+                      "images": []}
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
                  chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None):
@@ -157,9 +174,14 @@ class FakeOpenAI:
         stats["by_mode"][mode] = stats["by_mode"].get(mode, 0) + 1
         try:
             body = await request.json()
-            stats["bodies"] = (stats["bodies"] + [body])[-RECENT:]
+            images = _image_parts(body)
+            stats["images"] = (stats["images"] + [images])[-RECENT:]
+            stats["bodies"] = (stats["bodies"] + [_without_data_uris(body)])[-RECENT:]
             if self.latency_ms:
                 await asyncio.sleep(self.latency_ms / 1000.0)
+            if mode == "no_vision" and images:
+                return _error(400, f"The model `{body.get('model', '')}` does not support image input.",
+                              None, error_type="invalid_request_error")
             return await self._answer(mode, request, body)
         except (asyncio.CancelledError, ConnectionResetError):
             stats["disconnected"] += 1
@@ -201,12 +223,16 @@ class FakeOpenAI:
         number = self.stats["answered_ok"]
         model = body.get("model", "")
         messages = body.get("messages") or [{"content": ""}]
-        user = str(messages[-1].get("content", ""))
-        content = f"Fake answer #{number} from {model}: {user.splitlines()[0][:80]}"
+        user = _text_of(messages[-1].get("content", ""))
+        content = f"Fake answer #{number} from {model}: {(user.splitlines() or [''])[0][:80]}"
         missing = self.answer_words - len(content.split())
         if missing > 0:
             content += " " + " ".join(FILLER[i % len(FILLER)] for i in range(missing))
-        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
+        if (body.get("response_format") or {}).get("type") in ("json_object", "json_schema"):
+            content = json.dumps({"description": content})
+        prompt_tokens = sum(len(_text_of(m.get("content", "")).split()) for m in messages)
+        prompt_tokens += sum(IMAGE_TOKENS.get((part.get("image_url") or {}).get("detail"), IMAGE_TOKENS_HIGH)
+                             for part, _ in _data_uris(body))
         completion_tokens = len(content.split())
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
@@ -309,9 +335,63 @@ def _seconds(value):
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def _error(status, message, code, headers=None):
-    return web.json_response({"error": {"message": message, "type": "error", "param": None, "code": code}},
+def _error(status, message, code, headers=None, error_type="error"):
+    return web.json_response({"error": {"message": message, "type": error_type, "param": None, "code": code}},
                              status=status, headers=headers)
+
+
+def _text_of(content):
+    """A message's text: a string, or the text parts of a list of parts."""
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content
+                         if isinstance(part, dict) and part.get("type") == "text")
+    return str(content)
+
+
+def _data_uris(body):
+    """(the image part's dict, its URL) for every image part of every message."""
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    yield part, str((part.get("image_url") or {}).get("url", ""))
+
+
+def _image_parts(body):
+    """What the image parts decode to, for tests: format, size, a hash, one corner's colour."""
+    images = []
+    for part, url in _data_uris(body):
+        detail = (part.get("image_url") or {}).get("detail", "auto")
+        record = {"detail": detail, "url_prefix": url[:30]}
+        match = re.match(r"data:([\w/+.-]+);base64,(.*)$", url, re.S)
+        if match:
+            try:
+                data = base64.b64decode(match.group(2), validate=True)
+            except binascii.Error:
+                data = b""
+            record.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), mime=match.group(1))
+            try:
+                from PIL import Image
+
+                with Image.open(io.BytesIO(data)) as image:
+                    rgb = image.convert("RGB")
+                    record.update(format=image.format, width=image.width, height=image.height,
+                                  corner_rgb=list(rgb.getpixel((0, 0))))
+            except Exception as exc:  # not a picture: the test says so
+                record["error"] = f"{type(exc).__name__}: {exc}"
+        images.append(record)
+    return images
+
+
+def _without_data_uris(body):
+    """The body as recorded: each image's data URI replaced by its digest (bodies stay small)."""
+    if not any(True for _ in _data_uris(body)):
+        return body
+    body = json.loads(json.dumps(body))
+    for part, _ in _data_uris(body):
+        part["image_url"]["url"] = "<data URI: see stats['images']>"
+    return body
 
 
 def main(argv=None):
