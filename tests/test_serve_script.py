@@ -109,7 +109,8 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
                                                                                shown, reached):
     """Run the way the Dockerfile CMD runs it: a server command and its flags,
     nothing from serve.sh. The stand-in server answers /v2/health/ready and
-    exits 3 after TERM, which the supervisor passes on as its own stop. The
+    exits 3 after TERM, which the supervisor passes on as its own status (a
+    Triton that could not stop cleanly exits 1: the supervisor must not hide it). The
     READY line names the addresses the server binds; the readiness check and
     the watchdog reach it on loopback when it binds every interface."""
     http_port, openai_port = free_port(), free_port()
@@ -156,11 +157,12 @@ def test_supervisor_announces_ready_on_the_servers_own_ports_and_forwards_term(t
 
         supervisor.send_signal(signal.SIGTERM)
         rest = supervisor.stderr.read()
-        assert supervisor.wait(timeout=30) == 0
+        assert supervisor.wait(timeout=30) == 3, "the server's own exit status after TERM"
     finally:
         local_stack.stop_process(supervisor)
         deadline.cancel()
     assert marker.read_text() == "TERM", "TERM reaches the server"
+    assert "stopped with status 3 (not a clean stop" in rest
     assert "stopping tritonserver" in rest
     assert not pathlib.Path(f"/proc/{watchdogs[0]}").exists(), "the watchdog stops with the server"
     assert not pathlib.Path(f"/proc/{fronts[0]}").exists(), "the front stops with the server"
