@@ -7,12 +7,13 @@ turns alternate between them, so both see the same machine. Each request has
 its own PROMPT (no answer from the in-model cache). CPU is read from /proc
 (tools/bench/harness.cpu_seconds) around each turn.
 
-    .venv/bin/python -m tools.bench.vision_cpu [--requests 200] [--turns 3] [--concurrency 4]
+    .venv/bin/python -m tools.bench.vision_cpu [--requests 200] [--turns 3] [--concurrency 4] [--results FILE]
 """
 
 import argparse
 import concurrent.futures
 import io
+import json
 import pathlib
 import statistics
 import sys
@@ -24,6 +25,7 @@ import numpy as np
 import tritonclient.http as httpclient
 from PIL import Image
 
+from tools import host
 from tools.bench.harness import cpu_seconds
 from tools.local_stack import FakeLLM, TritonServer
 
@@ -73,6 +75,7 @@ def main(argv=None):
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--results", type=pathlib.Path, help="also write the turns and the machine as JSON")
     args = parser.parse_args(argv)
     images = photos()
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,8 +98,9 @@ def main(argv=None):
             for server in servers.values():
                 server.stop()
             llm.stop()
+    machine = host.describe()
     print(f"ms of CPU per classify_and_describe request, median of {args.turns} turns of {args.requests} "
-          f"(concurrency {args.concurrency})\n")
+          f"(concurrency {args.concurrency}) on {host.summary(machine)}; {host.isa_text(machine)}\n")
     print("| where | vision off | vision auto (on) | on / off |\n| --- | --- | --- | --- |")
     for key in (*SERVER, "server", "fake upstream", "machine"):
         off = statistics.median(r.get(key, 0.0) for r in runs["off"])
@@ -104,6 +108,10 @@ def main(argv=None):
         print(f"| {key} | {off:.2f} | {on:.2f} | {on / off:.2f} |" if off else f"| {key} | {off:.2f} | {on:.2f} | - |")
     ratios = [a["server"] / o["server"] for a, o in zip(runs["auto"], runs["off"])]
     print(f"\nserver on/off per turn: {', '.join(f'{r:.3f}' for r in ratios)}")
+    if args.results:
+        args.results.write_text(json.dumps({"host": machine, "args": vars(args) | {"results": str(args.results)},
+                                            "turns_ms_per_request": runs, "server_on_off_per_turn": ratios},
+                                           indent=2) + "\n")
     return 0
 
 
