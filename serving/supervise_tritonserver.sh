@@ -49,7 +49,9 @@
 # streams at once and lets whole answers finish (OPENAI_FRONT_DRAIN_S, default 5;
 # killed FRONT_STOP_GRACE_S=3 after that); only then does tritonserver get TERM,
 # so no stream holds a streaming model loaded while it unloads (its own
-# --exit-timeout-secs bounds what is left).
+# --exit-timeout-secs bounds what is left). Streams opened on Triton directly
+# (gRPC, generate_stream) end too: just before TERM the supervisor creates
+# TRITON_STOPPING_FILE, which the streaming models watch for.
 # Exit status: the server's own when it exits, also after INT/TERM (non-zero when
 # Triton reports that it could not stop cleanly, e.g. "Exit timeout expired");
 # the front's (1 if that was 0) when the front exits first.
@@ -79,7 +81,7 @@ case "$http_address" in
   *) http_host="$http_address" ;;
 esac
 
-server_pid="" watchdog_pid="" front_pid="" server_status=0
+server_pid="" watchdog_pid="" front_pid="" server_status=0 TRITON_STOPPING_FILE=""
 # Wait for child $1 at most $2 seconds, then KILL it.
 wait_bounded() {
   local pid="$1" deadline=$(( SECONDS + $2 ))
@@ -105,12 +107,14 @@ shut_down() {
   fi
   if [[ -n "$server_pid" ]]; then
     echo "serve: stopping tritonserver (pid $server_pid)" >&2
+    [[ -z "${TRITON_STOPPING_FILE:-}" ]] || : > "$TRITON_STOPPING_FILE" 2>/dev/null || true  # open streams end (backends/openai_describe/stream_adapter.py)
     kill -TERM "$server_pid" 2>/dev/null || true
     server_status=0
     wait "$server_pid" 2>/dev/null || server_status=$?
     (( server_status == 0 )) || echo "serve: tritonserver stopped with status $server_status (not a clean stop; its log says why)" >&2
   fi
   [[ -z "$watchdog_pid" ]] || wait "$watchdog_pid" 2>/dev/null || true
+  [[ -z "${TRITON_STOPPING_FILE:-}" ]] || rm -f "$TRITON_STOPPING_FILE"
 }
 stop() {
   shut_down
@@ -160,6 +164,9 @@ set -- "$@" "--http-restricted-api=$restricted:admin-key=$admin_key" \
 echo "serve: the ${restricted//,/, } APIs need header 'admin-key' (gRPC:" \
      "'triton-grpc-protocol-admin-key'); the key is $key_source" >&2
 
+# Where the supervisor tells the streaming models that the server is stopping.
+export TRITON_STOPPING_FILE="${TMPDIR:-/tmp}/triton-stopping.$$"
+rm -f "$TRITON_STOPPING_FILE"
 "$@" &
 server_pid=$!
 
@@ -235,5 +242,6 @@ wait "$server_pid"
 status=$?
 [[ -n "$watchdog_pid" ]] && wait "$watchdog_pid" 2>/dev/null
 [[ -n "$front_pid" ]] && kill -TERM "$front_pid" 2>/dev/null && wait "$front_pid" 2>/dev/null
+rm -f "$TRITON_STOPPING_FILE"
 echo "serve: tritonserver exited with status $status" >&2
 exit "$status"

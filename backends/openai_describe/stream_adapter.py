@@ -9,6 +9,7 @@ the asyncio loop must never wait on."""
 import asyncio
 import concurrent.futures
 import functools
+import os
 import threading
 import time
 import traceback
@@ -21,6 +22,11 @@ from prompting import PromptError
 
 # Threads that send responses and ask Triton about cancellations, off the loop.
 SEND_THREADS = 4
+# The supervisor (serving/supervise_tritonserver.sh) creates this file just before it
+# sends TERM to tritonserver. Triton cannot unload a decoupled model while one of its
+# streams is open, so it would wait out --exit-timeout-secs; seeing the file, every
+# open stream ends within cancel_poll_s with UNAVAILABLE (retry elsewhere).
+STOPPING_FILE_ENV = "TRITON_STOPPING_FILE"
 
 
 class StreamAdapter:
@@ -108,7 +114,9 @@ class StreamAdapter:
                 self.metrics.request_done(None, "invalid", None)
             response = exc.response()
         except Cancelled:  # counted by the describer, with what it had billed
-            if out.failure is not None and not cancelled():
+            if cancelled.server_stopping:
+                response = io.server_stopping().response()
+            elif out.failure is not None and not cancelled():
                 response = self._chunk_lost(out.failure)
             else:
                 response = io.cancelled()
@@ -146,9 +154,13 @@ class StreamAdapter:
         """Refresh every open stream's cancelled flag every cancel_poll_s, in a
         sender thread: each is_cancelled() is a round trip to Triton, which the
         loop must not wait on 500 times a poll."""
+        stopping_file = os.environ.get(STOPPING_FILE_ENV, "")
         while True:
             await asyncio.sleep(self.settings.cancel_poll_s)
             open_streams = [watch for watch in self.watched if not watch.cancelled]
+            if open_streams and stopping_file and os.path.exists(stopping_file):
+                for watch in open_streams:
+                    watch.server_stopping = True
             if open_streams:
                 try:
                     await self.loop.run_in_executor(self.send_pool, _poll_cancelled, open_streams)
@@ -277,11 +289,12 @@ class _Watch:
     def __init__(self, request):
         self.request = request
         self.cancelled = False
+        self.server_stopping = False  # set by the watcher: the stream must end, its client did not leave
         self.closed = False
         self.lock = threading.Lock()
 
     def __call__(self):
-        return self.cancelled
+        return self.cancelled or self.server_stopping
 
     def refresh(self):
         """Ask Triton now (a round trip: never on the loop); the flag."""

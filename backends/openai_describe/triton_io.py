@@ -185,6 +185,12 @@ def unloading():
     return Reject(contract.tagged(contract.MODEL_UNLOADING, "the model is unloading"), pb_utils.TritonError.UNAVAILABLE)
 
 
+def server_stopping():
+    """An open stream ended because the server is stopping (stream_adapter.STOPPING_FILE_ENV)."""
+    return Reject(contract.tagged(contract.MODEL_UNLOADING, "the server is shutting down: retry on another replica"),
+                  pb_utils.TritonError.UNAVAILABLE)
+
+
 def overloaded(text):
     """A streaming model at its max_open_streams or max_photos_waiting: refused at once, retry later."""
     return Reject(contract.tagged(contract.OVERLOADED, text), pb_utils.TritonError.UNAVAILABLE)

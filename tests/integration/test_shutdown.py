@@ -1,9 +1,10 @@
 """Stopping the way a container runtime and Kubernetes stop it: TERM to the
 supervisor alone (PID 1 in the container), never to the process group. With a
-stream open through the OpenAI front (the upstream sends one word a second), the
-stop is ordered and bounded: the front ends the stream with an error event, then
-Triton unloads every model and exits cleanly, all within STOP_BUDGET_S; and a
-Triton that cannot stop cleanly makes the supervisor exit non-zero.
+stream open through the OpenAI front, or on Triton's own gRPC port (the upstream
+sends one word a second), the stop is ordered and bounded: the front ends its
+stream with an error event, the streaming model ends Triton's with UNAVAILABLE,
+then Triton unloads every model and exits cleanly, all within STOP_BUDGET_S; and
+a Triton that cannot stop cleanly makes the supervisor exit non-zero.
 
 Each test runs its own server (the session's must stay up) and its own fake
 upstream (its chunk pacing would slow every other test)."""
@@ -11,12 +12,15 @@ upstream (its chunk pacing would slow every other test)."""
 import base64
 import http.client
 import json
+import queue
 import re
 import signal
 import threading
 import time
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from tools.local_stack import REPO, FakeLLM, NotReady, TritonServer
 
@@ -100,12 +104,54 @@ def test_term_with_a_stream_open_through_the_front_stops_in_order_within_the_bud
     last = json.loads(stream.events[-1])
     assert last["error"]["code"] == "service_unavailable" and "shutting down" in last["error"]["message"]
     # Every model that was loaded was unloaded; nothing timed out.
+    assert_every_model_unloaded(log)
+    # The LLM call of the stream was stopped, not left to run out.
+    assert slow_llm.admin("stats")["disconnected"] >= 1
+
+
+def assert_every_model_unloaded(log):
     loaded = set(re.findall(r"successfully loaded '([\w-]+)'", log))
     unloaded = set(re.findall(r"successfully unloaded '([\w-]+)'", log))
     assert loaded and loaded <= unloaded, (loaded, unloaded)
     assert "Exit timeout expired" not in log
-    # The LLM call of the stream was stopped, not left to run out.
-    assert slow_llm.admin("stats")["disconnected"] >= 1
+
+
+def test_term_with_a_stream_open_on_tritons_grpc_port_ends_it_and_stops_within_the_budget(tmp_path, slow_llm):
+    """No front in between: the supervisor's stopping file tells the streaming
+    model, which ends the stream with UNAVAILABLE instead of holding Triton's
+    unload for its whole --exit-timeout-secs (30 s)."""
+    server = start_server(tmp_path, slow_llm)
+    answers = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        image = grpcclient.InferInput("IMAGE", [1, 1], "BYTES")
+        image.set_data_from_numpy(np.array([[PHOTO]], dtype=object))
+        prompt = grpcclient.InferInput("PROMPT", [1, 1], "BYTES")
+        prompt.set_data_from_numpy(np.array([[f"Slowly ({time.monotonic_ns()})".encode()]], dtype=object))
+        client.async_stream_infer("classify_and_describe_stream", [image, prompt], enable_empty_final_response=True)
+        texts = 0
+        while texts < 2:  # the labels, then words from the upstream: the LLM call is under way
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            texts += 1
+        took, status = term_supervisor_alone(server)
+        ending = []
+        while True:
+            try:
+                ending.append(answers.get(timeout=1))
+            except queue.Empty:
+                break
+    finally:
+        client.close()
+        server.stop()
+    log = server.log()
+    assert status == 0, log[-3000:]
+    assert took <= STOP_BUDGET_S, f"stopped after {took:.1f} s (budget {STOP_BUDGET_S} s)"
+    errors = [error for _, error in ending if error is not None]
+    assert errors and "shutting down" in str(errors[0]) and "model_unloading" in str(errors[0]), ending[-3:]
+    assert_every_model_unloaded(log)
+    assert slow_llm.admin("stats")["disconnected"] >= 1, "the LLM call was stopped, not left to run out"
 
 
 def test_a_triton_that_cannot_stop_cleanly_fails_the_supervisor(tmp_path, slow_llm):

@@ -100,6 +100,37 @@ def test_a_cancelled_stream_ends_with_cancelled_and_closes_the_upstream(fake_pb_
     assert fake.stats()["disconnected"] == 1 and fake.stats()["streams_completed"] == 0
 
 
+def test_the_supervisors_stopping_file_ends_open_streams_with_unavailable(fake_pb_utils_module, fake, monkeypatch,
+                                                                          tmp_path):
+    """serving/supervise_tritonserver.sh creates TRITON_STOPPING_FILE before TERM to
+    tritonserver: an open stream then ends within cancel_poll_s with UNAVAILABLE
+    (retry elsewhere), not CANCELLED, and its LLM call is closed; its client did not leave."""
+    pb_utils = fake_pb_utils_module
+    stopping = tmp_path / "triton-stopping"
+    monkeypatch.setenv("TRITON_STOPPING_FILE", str(stopping))
+    fake.set_mode("ok", answer_words=500, chunk_ms=20)
+    model = make_stream_model(monkeypatch, fake.base_url)
+    try:
+        req = request(pb_utils, prompt="A long one")
+        model.execute([req])
+        deadline = time.monotonic() + 10
+        while len(req.get_response_sender().responses) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # polls without the file go on streaming
+        assert not req.get_response_sender().flags or not any(
+            f & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL for f in req.get_response_sender().flags)
+        stopping.touch()
+        responses = sent(req, pb_utils)
+        deadline = time.monotonic() + 5
+        while not fake.stats()["disconnected"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        model.finalize()
+    error, final = responses[-1]
+    assert final and error.code() == pb_utils.TritonError.UNAVAILABLE and "shutting down" in error.message()
+    assert len(responses) < 100 and fake.stats()["disconnected"] == 1 and fake.stats()["streams_completed"] == 0
+
+
 def test_a_bad_request_gets_one_error_and_nothing_else(fake_pb_utils_module, fake, monkeypatch):
     pb_utils = fake_pb_utils_module
     model = make_stream_model(monkeypatch, fake.base_url)
