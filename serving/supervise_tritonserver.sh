@@ -51,7 +51,8 @@
 # so no stream holds a streaming model loaded while it unloads (its own
 # --exit-timeout-secs bounds what is left). Streams opened on Triton directly
 # (gRPC, generate_stream) end too: just before TERM the supervisor creates
-# TRITON_STOPPING_FILE, which the streaming models watch for.
+# TRITON_STOPPING_FILE, which the streaming models watch for, and gives them
+# STREAMS_STOP_S (2) to end before TERM to tritonserver.
 # Exit status: the server's own when it exits, also after INT/TERM (non-zero when
 # Triton reports that it could not stop cleanly, e.g. "Exit timeout expired");
 # the front's (1 if that was 0) when the front exits first.
@@ -97,6 +98,12 @@ shut_down() {
   # The watchdog reloads nothing from now on, and once the server is gone it
   # stops any stub process left running (see serving/stub_watchdog.py).
   [[ -z "$watchdog_pid" ]] || kill -USR1 "$watchdog_pid" 2>/dev/null || true
+  # Streams opened on Triton directly end once they see this file (within the
+  # streaming models' cancel_poll_s); they must be gone before TERM, because a
+  # model being unloaded can no longer end them (measured: Triton then waited out
+  # its whole exit timeout). The front's own stop below runs meanwhile.
+  local streams_told=$SECONDS
+  [[ -z "${TRITON_STOPPING_FILE:-}" ]] || : > "$TRITON_STOPPING_FILE" 2>/dev/null || true
   # The front first, and waited for: its open streams hold Triton's streaming
   # model, which Triton cannot unload while a stream lives.
   if [[ -n "$front_pid" ]]; then
@@ -106,8 +113,8 @@ shut_down() {
     front_pid=""
   fi
   if [[ -n "$server_pid" ]]; then
+    while (( SECONDS - streams_told < ${STREAMS_STOP_S:-2} )) && kill -0 "$server_pid" 2>/dev/null; do sleep 0.1; done
     echo "serve: stopping tritonserver (pid $server_pid)" >&2
-    [[ -z "${TRITON_STOPPING_FILE:-}" ]] || : > "$TRITON_STOPPING_FILE" 2>/dev/null || true  # open streams end (backends/openai_describe/stream_adapter.py)
     kill -TERM "$server_pid" 2>/dev/null || true
     server_status=0
     wait "$server_pid" 2>/dev/null || server_status=$?
