@@ -31,6 +31,7 @@ import itertools
 import json
 import pathlib
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -131,12 +132,20 @@ def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_bas
     """One phase driven by tools/overload_client.c (HTTP); the same figures as python_phase."""
     host_name, port = http_url.rsplit(":", 1)
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
-        started = time.monotonic()
+        started, cpu_before = time.monotonic(), children_cpu_s()
         subprocess.run([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
                         str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path), out.name],
                        check=True, timeout=seconds + timeout_s + 60)
         elapsed = round(time.monotonic() - started, 1)
-        return summary(users, elapsed, *parse_attempts(out))
+        figures = summary(users, elapsed, *parse_attempts(out))
+    # What the load generator cost the shared cores (1.0 = one core all the time).
+    figures["load_generator_cpu_share"] = round((children_cpu_s() - cpu_before) / elapsed, 3)
+    return figures
+
+
+def children_cpu_s():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def percentile_ms(values, q):
