@@ -177,7 +177,8 @@ bench-stream: build perf-analyzer
 	$(PY) -m tools.bench.streaming --mode full
 
 # Soak and faults (docs/reliability.md): fake LLM upstream + one server on loopback
-# free ports, valid load at the concurrency that saturates the ensemble, the
+# free ports, valid load at the concurrency that saturates the ensemble (HTTP,
+# gRPC streams and the OpenAI front, whole and streamed), the
 # hostile corpus, LLM faults, a version swap, a stub SIGKILL, a restart with
 # retrying clients; stops by itself; fails if a request was lost or a secret leaked.
 #   make soak                         10 minutes
@@ -188,8 +189,9 @@ soak: build
 
 # Overload (docs/reliability.md#overload): fake LLM (1 s) + one server on loopback
 # free ports; a sweep finds the saturating number of users, then 10x as many with
-# client-style back-off; fails unless the excess is refused fast, admitted
-# latency stays bounded and nothing is lost.
+# client-style back-off (the load generator: tools/overload_client.c, built with
+# cc); fails unless the excess is refused fast, admitted latency stays bounded
+# and nothing is lost.
 #   make overload OVERLOAD_ARGS="--phase-s 60 --saturation 128"
 .PHONY: overload
 overload: build

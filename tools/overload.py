@@ -13,6 +13,14 @@ Verdict (exit 1 if any fails): at overload, the admitted p99 is at most
 `--max-p99-ratio` x the p99 at saturation, rejections are answered within
 `--max-reject-ms` (p99), and nothing is lost.
 
+The load generator (`--load-generator`): `c` (default) is
+tools/overload_client.c, compiled here with `cc -O2`: one epoll thread, one
+keep-alive HTTP/1.1 connection per user to /v2/models/<ensemble>/infer, the
+refusal being HTTP 503 with the same message; it costs the shared cores little,
+so the refusal latency it sees is the server's. `python` is the earlier
+generator: tritonclient.grpc.aio, all users in this process; at 1,280 users it
+was the bottleneck (its refusal latency was mostly its own queue).
+
 Without --grpc-url it starts, on loopback and free ports, the fake LLM
 upstream and one tritonserver (tools/local_stack.py) and stops both by PID.
 """
@@ -23,6 +31,9 @@ import itertools
 import json
 import pathlib
 import random
+import resource
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,13 +44,16 @@ from classify_describe.client import backoff_s  # the clients' own back-off
 from tools import host
 from tools.local_stack import FakeLLM, TritonServer
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
+C_SOURCE = REPO / "tools/overload_client.c"
+
 ENSEMBLE = "classify_and_describe"
 # A queue policy's refusal; any other error (UNAVAILABLE included: a model
 # unloading, the LLM step failing with on_failure=error) is a lost request.
 REFUSED = "Exceeds maximum queue size"
 
 
-async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
+async def python_phase(url, image, users, seconds, timeout_s, backoff_base_s):
     import tritonclient.grpc.aio as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -78,7 +92,11 @@ async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
         await client.close()
     # Requests sent before the deadline finish after it: rates are per second
     # of the whole phase, drain included.
-    seconds = round(time.monotonic() - started, 1)
+    return summary(users, round(time.monotonic() - started, 1), admitted, rejected, lost)
+
+
+def summary(users, seconds, admitted, rejected, lost):
+    """A phase's figures from its attempts' latencies (s) and its lost requests' reasons."""
     return {"users": users, "seconds": seconds, "admitted": len(admitted), "rejected": len(rejected),
             "lost": len(lost), "lost_sample": lost[:3],
             "admitted_per_s": round(len(admitted) / seconds, 1),
@@ -86,16 +104,59 @@ async def phase(url, image, users, seconds, timeout_s, backoff_base_s):
             "rejected_p50_ms": percentile_ms(rejected, 50), "rejected_p99_ms": percentile_ms(rejected, 99)}
 
 
+def parse_attempts(lines):
+    """tools/overload_client.c's lines ("ok|refused|lost:<why> <microseconds>")
+    -> (admitted, rejected latencies in s, lost reasons)."""
+    admitted, rejected, lost = [], [], []
+    for line in lines:
+        outcome, _, micros = line.strip().partition(" ")
+        if outcome == "ok":
+            admitted.append(int(micros) / 1e6)
+        elif outcome == "refused":
+            rejected.append(int(micros) / 1e6)
+        elif outcome:
+            lost.append(outcome)
+    return admitted, rejected, lost
+
+
+def compile_c_client(workdir):
+    binary = pathlib.Path(workdir) / "overload_client"
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("overload: no C compiler (cc) for tools/overload_client.c; or --load-generator python")
+    subprocess.run([compiler, "-O2", "-o", str(binary), str(C_SOURCE)], check=True)
+    return binary
+
+
+def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s):
+    """One phase driven by tools/overload_client.c (HTTP); the same figures as python_phase."""
+    host_name, port = http_url.rsplit(":", 1)
+    with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
+        started, cpu_before = time.monotonic(), children_cpu_s()
+        subprocess.run([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
+                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path), out.name],
+                       check=True, timeout=seconds + timeout_s + 60)
+        elapsed = round(time.monotonic() - started, 1)
+        figures = summary(users, elapsed, *parse_attempts(out))
+    # What the load generator cost the shared cores (1.0 = one core all the time).
+    figures["load_generator_cpu_share"] = round((children_cpu_s() - cpu_before) / elapsed, 3)
+    return figures
+
+
+def children_cpu_s():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def percentile_ms(values, q):
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
-def saturating_users(grpc_url, image, args):
+def saturating_users(drive, args):
     """(users, sweep): the fewest users within 5 % of the best throughput."""
     sweep, users = [], args.min_users
     while users <= args.max_users:
-        result = asyncio.run(phase(grpc_url, image, users, args.sweep_s, args.timeout_s, args.backoff_s))
-        sweep.append(result)
+        sweep.append(drive(users, args.sweep_s))
         best = max(r["admitted_per_s"] for r in sweep)
         # Two steps past the best without gaining: throughput has levelled off.
         if len(sweep) >= 3 and max(r["admitted_per_s"] for r in sweep[-2:]) < best * 1.02 \
@@ -106,14 +167,24 @@ def saturating_users(grpc_url, image, args):
     return next(r["users"] for r in sweep if r["admitted_per_s"] >= 0.95 * best), sweep
 
 
-def run(grpc_url, image, args):
+def driver(args, grpc_url, http_url, image_path, workdir):
+    """drive(users, seconds) -> a phase's figures, with the chosen load generator."""
+    if args.load_generator == "python":
+        image = pathlib.Path(image_path).read_bytes()
+        return lambda users, seconds: asyncio.run(
+            python_phase(grpc_url, image, users, seconds, args.timeout_s, args.backoff_s))
+    binary = compile_c_client(workdir)
+    return lambda users, seconds: c_phase(binary, http_url, image_path, users, seconds,
+                                          args.timeout_s, args.backoff_s)
+
+
+def run(drive, args):
     sweep = None
     users = args.saturation
     if users is None:
-        users, sweep = saturating_users(grpc_url, image, args)
-    saturation = asyncio.run(phase(grpc_url, image, users, args.phase_s, args.timeout_s, args.backoff_s))
-    overload = asyncio.run(phase(grpc_url, image, users * args.factor, args.phase_s,
-                                 args.timeout_s, args.backoff_s))
+        users, sweep = saturating_users(drive, args)
+    saturation = drive(users, args.phase_s)
+    overload = drive(users * args.factor, args.phase_s)
     return {"sweep": sweep, "saturation": saturation, "overload": overload,
             "verdict": judge(saturation, overload, args)}
 
@@ -136,9 +207,12 @@ def judge(saturation, overload, args):
     return problems
 
 
-def main(argv=None):
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--grpc-url", help="an already running server (default: start one)")
+    parser.add_argument("--grpc-url", help="an already running server (default: start one); with --http-url")
+    parser.add_argument("--http-url", help="the same server's HTTP endpoint (the C load generator's)")
+    parser.add_argument("--load-generator", choices=("c", "python"), default="c",
+                        help="c: tools/overload_client.c over HTTP (default); python: tritonclient gRPC")
     parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
     parser.add_argument("--min-users", type=int, default=8, help="the sweep starts here")
     parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
@@ -152,28 +226,36 @@ def main(argv=None):
     parser.add_argument("--max-p99-ratio", type=float, default=3.0)
     parser.add_argument("--max-reject-ms", type=float, default=50.0)
     parser.add_argument("--results", type=pathlib.Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def on_own_server(args, image_path, workdir):
+    llm = FakeLLM(pathlib.Path(workdir) / "fake_llm.log", latency_ms=args.llm_latency_ms)
+    server = TritonServer(workdir, {"LLM_BASE_URL": llm.base_url, "LLM_API_KEY": "sk-overload"})
+    try:
+        server.start()
+        results = run(driver(args, server.grpc_url, server.http_url, image_path, workdir), args)
+        results["server_ready_after"] = server.is_ready()
+        if not results["server_ready_after"]:
+            results["verdict"].append("server not ready after the run")
+        return results
+    finally:
+        server.stop()
+        llm.stop()
+
+
+def main(argv=None):
+    args = parse_args(argv)
     import skimage.data
 
-    image = (pathlib.Path(skimage.data.__file__).parent / "coffee.png").read_bytes()
-    if args.grpc_url:
-        results = run(args.grpc_url, image, args)
-    else:
-        with tempfile.TemporaryDirectory(prefix="overload-") as workdir:
-            llm = FakeLLM(pathlib.Path(workdir) / "fake_llm.log", latency_ms=args.llm_latency_ms)
-            server = TritonServer(workdir, {"LLM_BASE_URL": llm.base_url, "LLM_API_KEY": "sk-overload"})
-            try:
-                server.start()
-                results = run(server.grpc_url, image, args)
-                results["server_ready_after"] = server.is_ready()
-                if not results["server_ready_after"]:
-                    results["verdict"].append("server not ready after the run")
-            finally:
-                server.stop()
-                llm.stop()
+    image_path = pathlib.Path(skimage.data.__file__).parent / "coffee.png"
+    with tempfile.TemporaryDirectory(prefix="overload-") as workdir:
+        if args.grpc_url:
+            results = run(driver(args, args.grpc_url, args.http_url, image_path, workdir), args)
+        else:
+            results = on_own_server(args, image_path, workdir)
     results["host"] = host.describe()
-    results["settings"] = {k: v for k, v in vars(args).items() if k not in ("results", "grpc_url")}
+    results["settings"] = {k: v for k, v in vars(args).items() if k not in ("results", "grpc_url", "http_url")}
     text = json.dumps(results, indent=2, default=str)
     print(text)
     if args.results:

@@ -2,9 +2,12 @@
 
 Starts, on loopback and free ports, the fake OpenAI-compatible upstream
 (tools/fake_openai) and one tritonserver through scripts/serve.sh (stub
-watchdog on, TRITON_ADMIN_KEY set), then keeps `--concurrency` valid
-classify_and_describe requests in flight (distinct prompts, so every one calls
-the upstream) for `--duration-s` while it, in order:
+watchdog on, TRITON_ADMIN_KEY and the OpenAI front's key set), then keeps
+`--concurrency` valid requests in flight (distinct prompts, so every one calls
+the upstream) for `--duration-s`. They take, in turn, the paths of `--mix`
+(tools/soak_paths.py): classify_and_describe over HTTP, the streaming model
+classify_and_describe_stream over gRPC streaming, and the OpenAI front's
+POST /v1/chat/completions, whole and with "stream": true. Meanwhile, in order:
 
   1. steady load, with the hostile corpus (>= 200 malformed requests) sent
      alongside; RSS of tritonserver + its stub processes at the start and end;
@@ -18,20 +21,23 @@ the upstream) for `--duration-s` while it, in order:
      that retry connection failures and UNAVAILABLE (`retries=`);
   6. steady load until the end.
 
-Every valid request ends, by phase, as a valid answer (labels and scores, a
-DESCRIPTION_SOURCE of llm or fallback, a description, and for llm the fake
-upstream's answer to that very prompt), an error answer with its message
+Every valid request ends, by phase and by path, as a valid answer (labels and
+scores, the top label that photo's own, a DESCRIPTION_SOURCE of llm or
+fallback, a description, and for llm the fake upstream's answer to that very
+prompt, a stream's chunks joined), an error answer with its message
 (failed), or lost: no answer (a transport error after the retries, a client
 timeout, or still unanswered `drain_s` after the load stops) or an answer that
 is not valid. Every client output and error, every hostile answer, every
-metrics scrape and the server logs are scanned for the LLM key and the admin
-key. At the end the metrics must still show the describe families, and the
+metrics scrape, every body the front sent and the server logs are scanned for
+the LLM key, the admin key and the front's key. At the end the metrics must still show the describe families, and the
 fake upstream must have seen the LLM key as `Authorization: Bearer <key>` on
 every request it received.
 
 `judge()` turns these observations into the list of problems. Writes a JSON
 report (--report) and prints a summary; exits non-zero on any problem: a valid
-request lost or failed outside the crash window, a hostile request not
+request lost or failed outside the crash window (a stub killed; a stream the
+front ends at its shutdown during the restart, by design), a path of the mix
+that never answered, a hostile request not
 answered with a clear error, the server not ready at the end, a fault not
 recovered, the metrics or the upstream's key check wrong, or a secret found.
 Stops by itself; every process it starts is stopped by its PID.
@@ -56,9 +62,9 @@ import urllib.request
 
 import numpy as np
 
-from classify_describe import AsyncClient, TritonRequestError
+from classify_describe import TritonRequestError
 from serving.procfs import http_json, rss_mb, stub_pid, tritonserver_pid
-from tools import host
+from tools import host, soak_paths
 from tools.local_stack import FakeLLM, TritonServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -168,12 +174,19 @@ def prompt_for(number):
     return f"Soak request {number}: what is it?"
 
 
-def answer_problem(result, number):
-    """Why `result` is not a valid answer to soak request `number`, or None."""
+# The top label each soak photo gets (tests/integration/test_classification.py).
+TOP_LABELS = {"chelsea": {"Egyptian cat", "tabby", "tiger cat"}, "coffee": {"espresso"}}
+
+
+def answer_problem(result, number, top_labels=None):
+    """Why `result` is not a valid answer to soak request `number`, or None;
+    with `top_labels`, its first label must be one of them (the photo's own)."""
     if not result.labels or len(result.scores) != len(result.labels):
         return f"{len(result.labels)} LABELS for {len(result.scores)} SCORES"
     if not all(isinstance(label, str) and label.strip() for label in result.labels):
         return "an empty label"
+    if top_labels is not None and result.labels[0] not in top_labels:
+        return f"top label {result.labels[0][:40]!r}, not this photo's"
     if not all(-1e-6 <= score <= 1 + 1e-6 for score in result.scores):  # also false for NaN
         return "a score outside [0, 1]"
     if result.description_source not in ("llm", "fallback"):
@@ -198,8 +211,9 @@ class Tally:
         self.scan = scan
         self.phase = "warmup"
         self.by_phase = {}
-        self.errors = []  # failed: {"phase", "error"}
-        self.lost_requests = []  # {"phase", "kind", "detail"}
+        self.errors = []  # failed: {"phase", "error", "path"}
+        self.lost_requests = []  # {"phase", "kind", "detail", "path"}
+        self.by_path = {}  # path -> {"sent", "answered", "failed", "lost"}
 
     def row(self, phase=None):
         """The counts of a phase (the current one by default), created empty:
@@ -208,17 +222,23 @@ class Tally:
                                         {"sent": 0, "llm": 0, "fallback": 0, "failed": 0, "lost": 0,
                                          "fallback_reasons": {}, "latency_ms": []})
 
-    def sent(self):
+    def count(self, path, outcome):
+        row = self.by_path.setdefault(path, {"sent": 0, "answered": 0, "failed": 0, "lost": 0})
+        row[outcome] += 1
+
+    def sent(self, path="infer"):
         self.row()["sent"] += 1
+        self.count(path, "sent")
         return self.phase
 
-    def answered(self, phase, number, result):
+    def answered(self, phase, number, result, top_labels=None, path="infer"):
         output = json.dumps(result.as_dict())
         self.scan.scan("client_outputs", output)
-        problem = answer_problem(result, number)
+        problem = answer_problem(result, number, top_labels)
         if problem:
-            self.lost(phase, "invalid answer", problem)
+            self.lost(phase, "invalid answer", problem, path)
             return
+        self.count(path, "answered")
         row = self.by_phase[phase]
         row[result.description_source] += 1
         if result.description_source == "fallback":
@@ -226,18 +246,20 @@ class Tally:
             row["fallback_reasons"][reason] = row["fallback_reasons"].get(reason, 0) + 1
         row["latency_ms"].append(result.latency_ms)
 
-    def failed(self, phase, error):
+    def failed(self, phase, error, path="infer"):
         self.by_phase[phase]["failed"] += 1
+        self.count(path, "failed")
         message = f"{type(error).__name__}: {error}"
         self.scan.scan("client_errors", message)
-        self.errors.append({"phase": phase, "error": message[:300]})
+        self.errors.append({"phase": phase, "error": message[:300], "path": path})
 
-    def lost(self, phase, kind, detail=""):
+    def lost(self, phase, kind, detail="", path="infer"):
         """`kind` is a fixed phrase (it goes into the verdict); `detail` only
         into the report's sample, after the secret scan."""
         self.by_phase[phase]["lost"] += 1
+        self.count(path, "lost")
         self.scan.scan("client_errors", detail)
-        self.lost_requests.append({"phase": phase, "kind": kind, "detail": detail[:300]})
+        self.lost_requests.append({"phase": phase, "kind": kind, "detail": detail[:300], "path": path})
 
     def totals(self):
         """Counts over all phases; `lost` is what the sends leave unaccounted for
@@ -259,30 +281,35 @@ class Tally:
         return out
 
 
-async def valid_load(client, images, concurrency, tally, stop, drain_s=180.0):
-    """`concurrency` closed-loop workers sending through `client` (an AsyncClient)
-    until `stop` is set; each request has a distinct prompt. Then every worker
-    finishes the request it has in flight; one still unanswered `drain_s` later
-    is cancelled and counted lost."""
+async def valid_load(client, images, concurrency, tally, stop, drain_s=180.0, mix=("infer",), top_labels=None):
+    """`concurrency` closed-loop workers sending through `client` until `stop`
+    is set; each request has a distinct prompt and goes by the path `mix`
+    names for its number (a method of `client`: tools/soak_paths.py), with
+    the photo `images` names for it (`top_labels`: each photo's top labels).
+    Then every worker finishes the request it has in flight; one still
+    unanswered `drain_s` later is cancelled and counted lost."""
     numbers = itertools.count()
 
     async def worker():
         while not stop.is_set():
             number = next(numbers)
-            phase = tally.sent()
+            path = mix[number % len(mix)]
+            photo = (number + number // len(mix)) % len(images)  # each path sends every photo
+            expected = top_labels[photo] if top_labels else None
+            phase = tally.sent(path)
             try:
-                result = await client.infer(images[number % len(images)], prompt=prompt_for(number))
+                result = await getattr(client, path)(images[photo], prompt=prompt_for(number))
             except asyncio.CancelledError:
-                tally.lost(phase, "no answer when the load stopped")
+                tally.lost(phase, "no answer when the load stopped", path=path)
                 raise
             except TritonRequestError as error:  # the server answered with an error
-                tally.failed(phase, error)
+                tally.failed(phase, error, path)
                 await asyncio.sleep(0.05)
             except Exception as error:  # noqa: BLE001 - no answer at all (after the client's retries)
-                tally.lost(phase, f"no answer ({type(error).__name__})", str(error))
+                tally.lost(phase, f"no answer ({type(error).__name__})", str(error), path)
                 await asyncio.sleep(0.05)
             else:
-                tally.answered(phase, number, result)
+                tally.answered(phase, number, result, expected, path)
 
     workers = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
     try:
@@ -570,15 +597,16 @@ class SoakRun:
         self.args = args
         self.llm_key = "sk-soak-" + os.urandom(12).hex()
         admin_key = "adm-soak-" + os.urandom(12).hex()
+        front_key = "sk-front-soak-" + os.urandom(12).hex()
         self.images = photos()
         self.report = {"faults": [], "rss_mb": []}
         self.fake = FakeUpstream(workdir, args.llm_latency_ms)
         self.server = Server(workdir, {"LLM_BASE_URL": self.fake.base_url, "LLM_API_KEY": self.llm_key,
-                                       "TRITON_ADMIN_KEY": admin_key})
-        self.scan = SecretScan({"LLM key": self.llm_key, "admin key": admin_key})
+                                       "TRITON_ADMIN_KEY": admin_key, "OPENAI_FRONT_API_KEY": front_key})
+        self.scan = SecretScan({"LLM key": self.llm_key, "admin key": admin_key, "front key": front_key})
         self.tally = Tally(self.scan)
-        self.client = AsyncClient(self.server.http_url, concurrency=args.concurrency, timeout_s=120.0,
-                                  retries=args.retries, retry_backoff_s=0.5)
+        self.mix = tuple(args.mix.split(","))
+        self.client = soak_paths.Paths(self.server, front_key, self.scan, args.concurrency, args.retries)
         self.stop = asyncio.Event()
         self.started = time.monotonic()
         self.deadline = self.started + args.duration_s
@@ -617,8 +645,9 @@ class SoakRun:
     async def run(self):
         try:
             self.report["server_start_s"] = round(await self.in_thread(self.server.start), 1)
-            load = asyncio.ensure_future(valid_load(self.client, [self.images["chelsea"], self.images["coffee"]],
-                                                    self.args.concurrency, self.tally, self.stop))
+            load = asyncio.ensure_future(valid_load(
+                self.client, [self.images["chelsea"], self.images["coffee"]], self.args.concurrency, self.tally,
+                self.stop, mix=self.mix, top_labels=[TOP_LABELS["chelsea"], TOP_LABELS["coffee"]]))
             await asyncio.sleep(min(10.0, self.args.duration_s * 0.05))  # warm-up
             await self.steady_with_hostile_corpus()
             await self.llm_faults()
@@ -760,7 +789,7 @@ class SoakRun:
             upstream = None
         return dict(llm_key=self.llm_key, tally=self.tally, scan=self.scan, hostile=self.report["hostile"],
                     faults=self.report["faults"], server_ready_at_end=server_ready_at_end, metrics=metrics,
-                    upstream=upstream)
+                    upstream=upstream, mix=self.mix)
 
 
 async def soak(args, workdir):
@@ -790,6 +819,7 @@ class Observed:
     metrics: str | None  # the last metrics scrape; None when the endpoint did not answer
     upstream: dict | None  # the fake upstream's /_admin/stats at the end; None when unreadable
     server_logs: str  # every start's log
+    mix: tuple = ()  # the paths of the valid load (tools/soak_paths.py): each must answer
 
 
 def metrics_check(text):
@@ -825,13 +855,32 @@ def upstream_key_check(stats, llm_key):
     return figures, []
 
 
+# The error event the front sends on a stream it ends at its shutdown
+# (openai_front/app.py SHUTTING_DOWN): by design. The front shuts down only in
+# the restart, but a stream sent in the phase before may still be open then.
+FRONT_SHUTDOWN = "the OpenAI front is shutting down"
+
+
+def expected_failures(tally):
+    """(met the killed stub, streams the front ended at the restart): the failures that are by design."""
+    stub_down = sum("is not healthy" in e["error"] for e in tally.errors)
+    shutdown = sum(FRONT_SHUTDOWN in e["error"] for e in tally.errors)
+    return stub_down, shutdown
+
+
+def path_problems(tally, mix):
+    """One line per path of the mix that gave no valid answer in the whole run."""
+    return [f"no valid answer by the {path} path" for path in dict.fromkeys(mix)
+            if not tally.by_path.get(path, {}).get("answered")]
+
+
 def judge(seen):
     """The report's findings from what the run observed, with `problems`: one
     line per check that failed (empty when the soak passed)."""
     tally = seen.tally
     valid = tally.totals()
     # Requests that met the killed stub (sent just before or during the kill).
-    stub_down = sum("is not healthy" in e["error"] for e in tally.errors)
+    stub_down, shutdown = expected_failures(tally)
     metrics, metrics_problems = metrics_check(seen.metrics)
     upstream, upstream_problems = upstream_key_check(seen.upstream, seen.llm_key)
     found = {where: set(names) for where, names in seen.scan.found.items()}
@@ -850,8 +899,10 @@ def judge(seen):
         if valid["lost"] > len(tally.lost_requests):
             kinds["sent, then nothing recorded"] = valid["lost"] - len(tally.lost_requests)
         problems.append(f"{valid['lost']} valid request(s) lost (no valid answer): {kinds}")
-    if valid["failed"] - stub_down:
-        problems.append(f"{valid['failed'] - stub_down} valid request(s) failed other than on the killed stub")
+    if valid["failed"] - stub_down - shutdown:
+        problems.append(f"{valid['failed'] - stub_down - shutdown} valid request(s) failed other than on the "
+                        "killed stub or a stream the front ended at its restart")
+    problems += path_problems(tally, seen.mix)
     if seen.hostile["clear"] != seen.hostile["sent"]:
         problems.append(f"{seen.hostile['sent'] - seen.hostile['clear']} hostile request(s) "
                         "without a clear error")
@@ -868,6 +919,7 @@ def judge(seen):
             problems.append("circuit did not close after the upstream recovered")
     return {"valid": valid, "valid_by_phase": tally.summary(), "valid_errors_sample": tally.errors[:20],
             "valid_lost_sample": tally.lost_requests[:20], "valid_failed_stub_down": stub_down,
+            "valid_failed_front_shutdown": shutdown, "valid_by_path": tally.by_path,
             "server_ready_at_end": seen.server_ready_at_end,
             "metrics_tail": metrics, "metrics_tail_ok": not metrics_problems and "metrics" not in found,
             "upstream_key": upstream, "upstream_saw_key": not upstream_problems,
@@ -881,6 +933,9 @@ def main(argv=None):
                         help="valid requests in flight (16 saturates the ensemble on 2 cores: docs/benchmarks.md)")
     parser.add_argument("--llm-latency-ms", type=float, default=200.0)
     parser.add_argument("--retries", type=int, default=20, help="client retries (connection failures, UNAVAILABLE)")
+    parser.add_argument("--mix", default=",".join(soak_paths.MIX),
+                        help="the valid requests' paths, in turn (tools/soak_paths.py): infer, grpc_stream, "
+                             "front, front_stream")
     parser.add_argument("--steady-fraction", type=float, default=0.5,
                         help="share of the run spent in steady load before the faults")
     parser.add_argument("--min-phase-s", type=float, default=5.0, help="shortest fault phase")

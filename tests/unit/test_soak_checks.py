@@ -5,6 +5,7 @@ valid answer, a secret in one client output among many) and checks that
 `judge` reports exactly that problem, and nothing for a healthy run."""
 
 import asyncio
+import dataclasses
 import json
 import urllib.request
 
@@ -178,13 +179,14 @@ class StandIn:
         raise AssertionError(self.fault)
 
 
-def run_load(client, requests=60, concurrency=4):
+def run_load(client, requests=60, concurrency=4, images=(b"photo",), mix=("infer",)):
     """soak.valid_load until `requests` were sent, with a short drain."""
     tally = new_tally()
 
     async def main():
         stop = asyncio.Event()
-        load = asyncio.ensure_future(soak.valid_load(client, [b"photo"], concurrency, tally, stop, drain_s=0.3))
+        load = asyncio.ensure_future(soak.valid_load(client, list(images), concurrency, tally, stop, drain_s=0.3,
+                                                     mix=mix))
         while tally.row()["sent"] < requests:
             await asyncio.sleep(0.005)
         stop.set()
@@ -248,3 +250,68 @@ def test_a_secret_in_an_error_message():
 def test_a_secret_in_the_server_log():
     findings = soak.judge(observed(server_logs=f"E1201 describe: calling with key {LLM_KEY}\n"))
     assert findings["problems"] == ["secret found in server_logs: LLM key"]
+
+
+# -- the valid mix: every path, the photo's own labels, the front's restart ---------------
+
+def test_an_answer_with_another_photos_top_label_is_lost():
+    tally = new_tally()
+    tally.answered(tally.sent(), 0, answer(0), top_labels=soak.TOP_LABELS["chelsea"])
+    tally.answered(tally.sent("front"), 1, answer(1), top_labels=soak.TOP_LABELS["coffee"], path="front")
+    findings = soak.judge(observed(tally=tally))
+    assert findings["problems"] == ["1 valid request(s) lost (no valid answer): {'invalid answer': 1}"]
+    assert findings["valid_lost_sample"][0]["detail"] == "top label 'tabby', not this photo's"
+    assert findings["valid_by_path"] == {"infer": {"sent": 1, "answered": 1, "failed": 0, "lost": 0},
+                                         "front": {"sent": 1, "answered": 0, "failed": 0, "lost": 1}}
+
+
+class EveryPath(StandIn):
+    """StandIn on every path of the soak's mix; `silent` paths never answer validly."""
+
+    def __init__(self, silent=()):
+        super().__init__(odd=None, fault=None)
+        self.silent = silent
+
+    def __getattr__(self, path):
+        async def send(image, prompt=None):
+            if path in self.silent:
+                raise ConnectionRefusedError(111, "Connect call failed")
+            return await self.infer(image, prompt)
+        return send
+
+
+def run_mix(client, requests=80):
+    return run_load(client, requests, images=(b"cat", b"cup"), mix=soak.soak_paths.MIX)
+
+
+def test_every_path_of_the_mix_answers():
+    tally = run_mix(EveryPath())
+    findings = soak.judge(dataclasses.replace(observed(tally=tally), mix=soak.soak_paths.MIX))
+    assert findings["problems"] == []
+    assert set(findings["valid_by_path"]) == {"infer", "grpc_stream", "front", "front_stream"}
+    assert all(row["answered"] > 0 for row in findings["valid_by_path"].values())
+
+
+def test_a_path_of_the_mix_that_never_answers():
+    tally = run_mix(EveryPath(silent={"front_stream"}))
+    findings = soak.judge(dataclasses.replace(observed(tally=tally), mix=soak.soak_paths.MIX))
+    lost = findings["valid_by_path"]["front_stream"]["lost"]
+    assert findings["problems"] == [
+        f"{lost} valid request(s) lost (no valid answer): {{'no answer (ConnectionRefusedError)': {lost}}}",
+        "no valid answer by the front_stream path"]
+
+
+@pytest.mark.parametrize("phase, error, problems", [
+    ("restart", "error event: the OpenAI front is shutting down", []),
+    ("stub_kill", "error event: the OpenAI front is shutting down", []),  # sent before, still open at the restart
+    ("restart", "HTTP 503: the inference server is unavailable; retry later",
+     ["1 valid request(s) failed other than on the killed stub or a stream the front ended at its restart"]),
+])
+def test_a_stream_the_front_ended_at_its_shutdown(phase, error, problems):
+    tally = new_tally()
+    tally.phase = phase
+    tally.answered(tally.sent(), 0, answer(0))
+    tally.failed(tally.sent("front_stream"), TritonRequestError(error, answered=True), "front_stream")
+    findings = soak.judge(observed(tally=tally))
+    assert findings["problems"] == problems
+    assert findings["valid_failed_front_shutdown"] == (not problems)

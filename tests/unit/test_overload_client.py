@@ -1,0 +1,70 @@
+"""tools/overload.py's C load generator (tools/overload_client.c): the requests
+it builds, its back-off on a refusal, and the reading of its attempts."""
+
+import http.server
+import json
+import shutil
+import struct
+import threading
+
+import pytest
+
+from tools import overload
+
+
+def test_attempts_into_a_phase():
+    lines = ["ok 1500000\n", "refused 2100\n", "refused 900\n", "lost:timeout 30000000\n", "ok 2500000\n", "\n"]
+    admitted, rejected, lost = overload.parse_attempts(lines)
+    assert admitted == [1.5, 2.5] and rejected == [0.0021, 0.0009] and lost == ["lost:timeout"]
+    figures = overload.summary(40, 10.0, admitted, rejected, lost)
+    assert figures["admitted"] == 2 and figures["rejected"] == 2 and figures["lost"] == 1
+    assert figures["admitted_per_s"] == 0.2 and figures["rejected_p50_ms"] == 1.5
+    assert figures["lost_sample"] == ["lost:timeout"]
+
+
+class StandInTriton(http.server.BaseHTTPRequestHandler):
+    """Triton's HTTP infer endpoint as the C client sees it: the binary tensor
+    extension read and checked; every other request refused as a full queue."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, as Triton
+    prompts = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        header_length = int(self.headers["Inference-Header-Content-Length"])
+        inputs = json.loads(body[:header_length])["inputs"]
+        image_size, prompt_size = (i["parameters"]["binary_data_size"] for i in inputs)
+        assert self.path == "/v2/models/classify_and_describe/infer"
+        assert struct.unpack("<I", body[header_length:header_length + 4])[0] == image_size - 4 == 5
+        prompt = body[header_length + image_size:]
+        assert len(prompt) == prompt_size and struct.unpack("<I", prompt[:4])[0] == prompt_size - 4
+        self.prompts.append(prompt[4:].decode())
+        refused = len(self.prompts) % 2 == 0
+        answer = json.dumps({"error": overload.REFUSED} if refused else {"outputs": []}).encode()
+        self.send_response(503 if refused else 200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_the_c_client_against_a_stand_in(tmp_path):
+    (tmp_path / "photo").write_bytes(b"photo")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandInTriton)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        binary = overload.compile_c_client(tmp_path)
+        figures = overload.c_phase(binary, f"127.0.0.1:{server.server_address[1]}", tmp_path / "photo",
+                                   users=4, seconds=1.0, timeout_s=5, backoff_base_s=0.01)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert figures["lost"] == 0, figures["lost_sample"]
+    assert figures["admitted"] > 10 and figures["rejected"] > 10
+    assert figures["admitted"] + figures["rejected"] == len(StandInTriton.prompts)
+    assert len(set(StandInTriton.prompts)) == len(StandInTriton.prompts)  # a new prompt every time
+    assert all(p.startswith("What is it? (") for p in StandInTriton.prompts)

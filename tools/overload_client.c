@@ -1,0 +1,314 @@
+/* The load generator of `make overload` (tools/overload.py): `users` virtual
+ * users, each on its own keep-alive HTTP/1.1 connection to Triton's
+ * POST /v2/models/<model>/infer (binary tensor extension: IMAGE, and a PROMPT
+ * that is new for every request, so the describe step's cache never answers).
+ * A user waits for its answer; on a queue policy's refusal (HTTP 503 whose
+ * body says "Exceeds maximum queue size") it backs off as classify_describe's
+ * clients do (exponential with full jitter, capped at 5 s) and sends again.
+ *
+ * One thread, epoll: written in C so that the load generator is not the
+ * bottleneck (the Python one was: 1,280 gRPC streams in one process on the
+ * cores the server also uses). Every attempt is written to `out` as one line
+ * "<outcome> <microseconds>", outcome: ok, refused, or lost:<why>.
+ *
+ *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#define REFUSED "Exceeds maximum queue size"
+#define PROMPT_FMT "What is it? (%08x-%010lu)"
+#define PROMPT_LEN 33 /* the format above, always this long */
+#define RECV_MAX (256 * 1024)
+
+enum state { IDLE, SENDING, READING, SLEEPING, DONE };
+
+struct user {
+    int fd, attempt;
+    enum state state;
+    char prompt[4 + PROMPT_LEN]; /* the request's last part, its own */
+    size_t sent, received;
+    char *buf;
+    double started, wake;
+};
+
+static struct sockaddr_in server;
+static char *header_fmt, *image, *prefix; /* shared by every user: HTTP and JSON headers, the IMAGE */
+static size_t image_len, prefix_len, request_len;
+static unsigned tag;
+static unsigned long counter;
+static double backoff_ms, timeout_ms;
+static FILE *out;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static void record(const char *outcome, double seconds) {
+    fprintf(out, "%s %.0f\n", outcome, seconds * 1e6);
+}
+
+static void put_u32(char *p, uint32_t v) {
+    p[0] = v & 255; p[1] = (v >> 8) & 255; p[2] = (v >> 16) & 255; p[3] = (v >> 24) & 255;
+}
+
+/* The request: HTTP headers, the JSON inference header, then IMAGE and PROMPT
+ * as BYTES tensors (a 4-byte little-endian length before each element). All
+ * but the prompt is the same for every request: built once, shared. */
+static void build_prefix(const char *model) {
+    char json[512], head[512];
+    int json_len = snprintf(json, sizeof json,
+        "{\"inputs\":[{\"name\":\"IMAGE\",\"shape\":[1,1],\"datatype\":\"BYTES\",\"parameters\":"
+        "{\"binary_data_size\":%zu}},{\"name\":\"PROMPT\",\"shape\":[1,1],\"datatype\":\"BYTES\","
+        "\"parameters\":{\"binary_data_size\":%d}}]}", image_len + 4, PROMPT_LEN + 4);
+    size_t body_len = json_len + 4 + image_len + 4 + PROMPT_LEN;
+    int head_len = snprintf(head, sizeof head, header_fmt, model, json_len, body_len);
+    prefix_len = head_len + json_len + 4;
+    prefix = malloc(prefix_len);
+    memcpy(prefix, head, head_len);
+    memcpy(prefix + head_len, json, json_len);
+    put_u32(prefix + head_len + json_len, image_len);
+    request_len = prefix_len + image_len + 4 + PROMPT_LEN;
+}
+
+static void new_prompt(struct user *u) {
+    char prompt[PROMPT_LEN + 12];
+    snprintf(prompt, sizeof prompt, PROMPT_FMT, tag, counter++ % 10000000000UL);
+    put_u32(u->prompt, PROMPT_LEN);
+    memcpy(u->prompt + 4, prompt, PROMPT_LEN);
+}
+
+static int connect_user(struct user *u, int epoll_fd) {
+    u->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    int one = 1;
+    setsockopt(u->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(u->fd, (struct sockaddr *)&server, sizeof server) < 0 && errno != EINPROGRESS) {
+        close(u->fd);
+        u->fd = -1;
+        return -1;
+    }
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT | EPOLLET, .data.ptr = u};
+    return epoll_ctl(epoll_fd, EPOLL_CTL_ADD, u->fd, &ev);
+}
+
+static void start_attempt(struct user *u, int epoll_fd) {
+    if (u->fd < 0 && connect_user(u, epoll_fd) < 0) {
+        record("lost:connect", 0);
+        u->state = SLEEPING;
+        u->wake = now() + 0.1;
+        return;
+    }
+    new_prompt(u);
+    u->sent = u->received = 0;
+    u->started = now();
+    u->state = SENDING;
+}
+
+static void drop_connection(struct user *u, int epoll_fd) {
+    if (u->fd >= 0) {
+        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, u->fd, NULL);
+        close(u->fd);
+    }
+    u->fd = -1;
+}
+
+static double jitter_s(int attempt) {
+    double cap = backoff_ms * (double)(1 << (attempt < 20 ? attempt : 20));
+    if (cap > 5000) cap = 5000;
+    return (double)rand() / RAND_MAX * cap / 1000.0;
+}
+
+/* An answer is complete: -1 while more is to come, else its length. */
+static long answer_length(struct user *u, int *status) {
+    u->buf[u->received] = 0;
+    char *end = strstr(u->buf, "\r\n\r\n");
+    if (!end) return -1;
+    char *length = strcasestr(u->buf, "\r\ncontent-length:");
+    if (!length || length > end) return -2;
+    long total = (end + 4 - u->buf) + strtol(length + 17, NULL, 10);
+    *status = atoi(u->buf + 9);
+    return (long)u->received >= total ? total : -1;
+}
+
+static void finish(struct user *u, int status, int epoll_fd) {
+    double seconds = now() - u->started;
+    if (status == 200) {
+        record("ok", seconds);
+        u->attempt = 0;
+        u->state = IDLE;
+    } else if (status == 503 && strstr(u->buf, REFUSED)) {
+        record("refused", seconds);
+        u->state = SLEEPING;
+        u->wake = now() + jitter_s(u->attempt++);
+    } else {
+        char why[32];
+        snprintf(why, sizeof why, "lost:http_%d", status);
+        record(why, seconds);
+        drop_connection(u, epoll_fd);
+        u->state = IDLE;
+    }
+}
+
+static void fail(struct user *u, const char *why, int epoll_fd) {
+    record(why, now() - u->started);
+    drop_connection(u, epoll_fd);
+    u->state = SLEEPING;
+    u->wake = now() + 0.1;
+}
+
+/* The unsent rest of the request, from the three parts. */
+static int pending(struct user *u, struct iovec *iov) {
+    const char *parts[3] = {prefix, image, u->prompt};
+    size_t lengths[3] = {prefix_len, image_len, 4 + PROMPT_LEN};
+    size_t skip = u->sent;
+    int count = 0;
+    for (int i = 0; i < 3; i++) {
+        if (skip >= lengths[i]) {
+            skip -= lengths[i];
+            continue;
+        }
+        iov[count].iov_base = (char *)parts[i] + skip;
+        iov[count++].iov_len = lengths[i] - skip;
+        skip = 0;
+    }
+    return count;
+}
+
+static void do_send(struct user *u, int epoll_fd) {
+    while (u->sent < request_len) {
+        struct iovec iov[3];
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = pending(u, iov)};
+        ssize_t n = sendmsg(u->fd, &msg, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno != EAGAIN) fail(u, "lost:send", epoll_fd);
+            return;
+        }
+        u->sent += n;
+    }
+    u->state = READING;
+}
+
+static void do_read(struct user *u, int epoll_fd) {
+    for (;;) {
+        ssize_t n = recv(u->fd, u->buf + u->received, RECV_MAX - 1 - u->received, 0);
+        if (n == 0) return fail(u, "lost:closed", epoll_fd);
+        if (n < 0) {
+            if (errno != EAGAIN) fail(u, "lost:recv", epoll_fd);
+            return;
+        }
+        u->received += n;
+        int status = 0;
+        long length = answer_length(u, &status);
+        if (length == -2 || u->received >= RECV_MAX - 1) return fail(u, "lost:unparsed", epoll_fd);
+        if (length >= 0) return finish(u, status, epoll_fd);
+    }
+}
+
+/* On an epoll event (or a new attempt): the user's I/O, until it would block. */
+static void step(struct user *u, int epoll_fd, double deadline) {
+    if (u->state == IDLE) {
+        if (now() >= deadline) {
+            u->state = DONE;
+            return;
+        }
+        start_attempt(u, epoll_fd);
+    }
+    if (u->state == SENDING) do_send(u, epoll_fd);
+    if (u->state == READING) do_read(u, epoll_fd);
+}
+
+/* Every few ms, without I/O: back-offs that are over, attempts past the timeout. */
+static void tick(struct user *u, int epoll_fd, double deadline, double t) {
+    if (u->state == SLEEPING && t >= u->wake) u->state = IDLE;
+    if ((u->state == SENDING || u->state == READING) && t - u->started > timeout_ms / 1000)
+        fail(u, "lost:timeout", epoll_fd);
+    if (u->state == IDLE) step(u, epoll_fd, deadline);
+}
+
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    *len = ftell(f);
+    rewind(f);
+    char *data = malloc(*len);
+    if (fread(data, 1, *len, f) != *len) *len = 0;
+    fclose(f);
+    return data;
+}
+
+static void raise_fd_limit(void) {
+    struct rlimit limit;
+    getrlimit(RLIMIT_NOFILE, &limit);
+    limit.rlim_cur = limit.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &limit);
+}
+
+static int run(struct user *users, int count, double seconds) {
+    int epoll_fd = epoll_create1(0);
+    double deadline = now() + seconds;
+    struct epoll_event events[256];
+    int active = count;
+    while (active) {
+        int n = epoll_wait(epoll_fd, events, 256, 2);
+        for (int i = 0; i < n; i++) step(events[i].data.ptr, epoll_fd, deadline);
+        double t = now();
+        active = 0;
+        for (int i = 0; i < count; i++) {
+            if (users[i].state != DONE) tick(&users[i], epoll_fd, deadline, t);
+            active += users[i].state != DONE;
+        }
+    }
+    for (int i = 0; i < count; i++) drop_connection(&users[i], epoll_fd);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 10) {
+        fprintf(stderr, "usage: %s HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT\n", argv[0]);
+        return 2;
+    }
+    server.sin_family = AF_INET;
+    server.sin_port = htons(atoi(argv[2]));
+    inet_pton(AF_INET, argv[1], &server.sin_addr);
+    int count = atoi(argv[4]);
+    backoff_ms = atof(argv[6]);
+    timeout_ms = atof(argv[7]);
+    image = read_file(argv[8], &image_len);
+    out = fopen(argv[9], "w");
+    if (!image || !image_len || !out || count < 1) {
+        fprintf(stderr, "overload_client: cannot read %s or write %s\n", argv[8], argv[9]);
+        return 2;
+    }
+    raise_fd_limit();
+    srand(getpid() ^ (unsigned)time(NULL));
+    tag = (unsigned)rand();
+    header_fmt = "POST /v2/models/%s/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 "Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
+                 "Content-Length: %zu\r\n\r\n";
+    build_prefix(argv[3]);
+    struct user *users = calloc(count, sizeof *users);
+    for (int i = 0; i < count; i++) {
+        users[i].fd = -1;
+        users[i].buf = malloc(RECV_MAX);
+    }
+    run(users, count, atof(argv[5]));
+    fclose(out);
+    return 0;
+}
