@@ -932,7 +932,10 @@ def main(argv=None):
     parser.add_argument("--concurrency", type=int, default=16,
                         help="valid requests in flight (16 saturates the ensemble on 2 cores: docs/benchmarks.md)")
     parser.add_argument("--llm-latency-ms", type=float, default=200.0)
-    parser.add_argument("--retries", type=int, default=20, help="client retries (connection failures, UNAVAILABLE)")
+    # 40 resends (about 80 s with back-off): the restart keeps the front's port and Triton's
+    # gRPC port closed for about 47 s on 2 cores (docs/reliability.md#the-soak-run), longer
+    # than 20 resends cover; a client of the front or of gRPC needs that budget too.
+    parser.add_argument("--retries", type=int, default=40, help="client retries (connection failures, UNAVAILABLE)")
     parser.add_argument("--mix", default=",".join(soak_paths.MIX),
                         help="the valid requests' paths, in turn (tools/soak_paths.py): infer, grpc_stream, "
                              "front, front_stream")
