@@ -6,7 +6,7 @@ the server stays ready."""
 
 import asyncio
 
-from tools.overload import phase
+from tools.overload import python_phase
 
 SATURATION_USERS = 4
 OVERLOAD_USERS = 200  # beyond the 128 that preprocess queues plus its instances
@@ -14,8 +14,8 @@ PHASE_S = 6
 
 
 def test_overload_is_refused_fast_and_nothing_is_lost(triton, photos):
-    run = lambda users: asyncio.run(phase(triton.grpc_url, photos["coffee"], users, PHASE_S,  # noqa: E731
-                                          timeout_s=30, backoff_base_s=0.5))
+    run = lambda users: asyncio.run(python_phase(triton.grpc_url, photos["coffee"], users, PHASE_S,  # noqa: E731
+                                                 timeout_s=30, backoff_base_s=0.5))
     saturation = run(SATURATION_USERS)
     overload = run(OVERLOAD_USERS)
     print(f"\nsaturation {saturation}\noverload {overload}")
