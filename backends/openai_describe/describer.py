@@ -171,6 +171,10 @@ class Observer:
     def cache(self, hit): pass
 
 
+# response_format types whose answer must be JSON: no fallback description for them.
+JSON_FORMATS = ("json_object", "json_schema")
+
+
 class Describer:
     def __init__(self, settings, client, scrub, observer=None, log=None,
                  clock=time.monotonic, rand=random.random):
@@ -434,7 +438,10 @@ class Describer:
 
     def _fallback(self, job, usage, reason, emit=None):
         usage.fallback_reason = reason
-        if self.settings.on_failure == "error":  # the adapter answers with an error instead: nothing emitted
+        # The adapter answers with an error instead (nothing emitted): with on_failure=error,
+        # and for a client that asked for JSON, which the prose fallback is not.
+        wants_json = (job.response_format or {}).get("type") in JSON_FORMATS
+        if self.settings.on_failure == "error" or wants_json:
             return self._done(job, Result("", "fallback", usage, "error"))
         result = Result(fallback_description(job.labels, job.scores), "fallback", usage, "fallback")
         if emit is not None:

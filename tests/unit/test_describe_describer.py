@@ -222,6 +222,21 @@ def test_on_failure_error_returns_no_description():
     run(test, on_failure="error")
 
 
+@pytest.mark.parametrize("response_format, outcome", [
+    ({"type": "json_object"}, "error"),
+    ({"type": "json_schema", "json_schema": {"name": "d", "schema": {"type": "object"}}}, "error"),
+    ({"type": "text"}, "fallback"),
+    (None, "fallback"),
+])
+def test_a_client_that_asked_for_json_gets_an_error_not_the_prose_fallback(response_format, outcome):
+    async def test(fake, d, obs, log):
+        fake.set_mode("500")
+        r = await d.describe(job(response_format=response_format))
+        assert r.outcome == outcome and r.usage.fallback_reason == "upstream_error_http_500"
+        assert (r.description == "") == (outcome == "error")
+    run(test)
+
+
 def test_without_a_key_it_answers_with_the_fallback():
     async def test(fake, d, obs, log):
         r = await d.describe(job())
