@@ -144,7 +144,8 @@ def test_no_file_edits_sys_path():
 
 def test_a_shared_file_is_a_link_that_resolves_where_it_ships():
     """The error contract is one file that the backends and the front read
-    (docs/DESIGN.md#errors): the others link to it. A link must stay inside
+    (docs/DESIGN.md#errors), the backends' logger (model_log.py) one file that
+    every backend uses: the others link to them. A link must stay inside
     backends/ (copied whole into the image), or, from openai_front/, point at
     a file the Dockerfile copies to where the link looks."""
     dockerfile = (REPO / "Dockerfile").read_text()

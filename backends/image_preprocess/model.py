@@ -15,6 +15,7 @@ from PIL import Image
 
 import error_contract as contract
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_settings
+from model_log import Log
 
 INPUT_NAME = "IMAGE"
 OUTPUT_NAME = "PIXELS"
@@ -29,7 +30,7 @@ def config_parameters(model_config):
 class TritonPythonModel:
     def initialize(self, args):
         self.model_name = args["model_name"]
-        self.log = _Log(self.model_name)
+        self.log = Log(self.model_name)
         model_config = json.loads(args["model_config"])
         try:
             settings = self._load(model_config)
@@ -99,19 +100,3 @@ class TritonPythonModel:
 
 def _error_response(message, code):
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-
-
-class _Log:
-    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
-
-    def __init__(self, model_name):
-        self.prefix = f"[{model_name}] "
-
-    def info(self, message):
-        pb_utils.Logger.log_info(self.prefix + message)
-
-    def warn(self, message):
-        pb_utils.Logger.log_warn(self.prefix + message)
-
-    def error(self, message):
-        pb_utils.Logger.log_error(self.prefix + message)

@@ -13,7 +13,9 @@ import triton_python_backend_utils as pb_utils
 
 import error_contract as contract
 from describer import Job
-from prompting import PromptError, read_conversation, read_labels, read_prompt, read_response_format
+from dialogue import read_conversation, read_response_format
+from model_log import Log  # noqa: F401 - io.Log, the adapters' logger
+from prompting import PromptError, read_labels, read_prompt
 from settings import InvalidOverride, Overrides
 
 JPEG_START = b"\xff\xd8\xff"
@@ -207,19 +209,3 @@ def internal(text="internal error in the describe step"):
 
 def send_final(request, response):
     request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-
-class Log:
-    """pb_utils.Logger with "[<model name>] " in front: the server log interleaves every model."""
-
-    def __init__(self, model_name):
-        self.prefix = f"[{model_name}] "
-
-    def info(self, message):
-        pb_utils.Logger.log_info(self.prefix + message)
-
-    def warn(self, message):
-        pb_utils.Logger.log_warn(self.prefix + message)
-
-    def error(self, message):
-        pb_utils.Logger.log_error(self.prefix + message)

@@ -14,7 +14,7 @@ from test_describe_describer import run
 from tools.fake_openai.server import IMAGE_TOKENS
 
 from describer import Job
-from prompting import read_conversation, read_response_format
+from dialogue import read_conversation, read_response_format
 from settings import InvalidOverride, Overrides, Settings, parse_settings
 
 

@@ -1,0 +1,71 @@
+"""What a chat client adds to the question (the OpenAI front passes them as request
+parameters): its own system messages and earlier turns (`conversation`) and the
+answer's format (`response_format`), read from JSON and bounded; a refusal names
+the parameter (InvalidOverride: the error contract's invalid_parameter)."""
+
+import json
+
+from settings import InvalidOverride
+
+ROLES = ("system", "user", "assistant")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def read_conversation(params, settings):
+    """The request parameter `conversation` (a JSON string: the client's system
+    messages and earlier turns, oldest first, text only) as ((role, content), ...);
+    () when absent. Bounded: they are input tokens we pay for."""
+    raw = params.get("conversation")
+    if raw is None or raw == "":
+        return ()
+    field = "conversation"
+    messages = _json_param(raw, field)
+    if not isinstance(messages, list):
+        raise InvalidOverride("conversation must be a JSON list of {role, content} messages", field)
+    if len(messages) > settings.max_conversation_messages:
+        raise InvalidOverride(f"conversation has {len(messages)} messages, more than the limit "
+                              f"max_conversation_messages={settings.max_conversation_messages}", field)
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise InvalidOverride(f"conversation[{i}] must be an object whose role is one of {', '.join(ROLES)}",
+                                  field)
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise InvalidOverride(f"conversation[{i}].content must be text", field)
+        turns.append((message["role"], content))
+    total = sum(len(content) for _, content in turns)
+    if total > settings.max_conversation_chars:
+        raise InvalidOverride(f"conversation has {total} characters, more than the limit "
+                              f"max_conversation_chars={settings.max_conversation_chars}", field)
+    return tuple(turns)
+
+
+def read_response_format(params, settings):
+    """The request parameter `response_format` (a JSON string of OpenAI's object),
+    checked and passed upstream as it came; None when absent."""
+    raw = params.get("response_format")
+    if raw is None or raw == "":
+        return None
+    field = "response_format"
+    if isinstance(raw, str) and len(raw) > settings.max_conversation_chars:
+        raise InvalidOverride(f"response_format has {len(raw)} characters, more than the limit "
+                              f"max_conversation_chars={settings.max_conversation_chars}", field)
+    value = _json_param(raw, field)
+    if not isinstance(value, dict) or value.get("type") not in RESPONSE_FORMATS:
+        raise InvalidOverride(f"response_format must be an object whose type is one of {', '.join(RESPONSE_FORMATS)}",
+                              field)
+    if value["type"] == "json_schema":
+        schema = value.get("json_schema")
+        if not isinstance(schema, dict) or not isinstance(schema.get("name"), str):
+            raise InvalidOverride("response_format of type json_schema needs json_schema: {name, schema, ...}", field)
+    return value
+
+
+def _json_param(raw, field):
+    if not isinstance(raw, str):
+        raise InvalidOverride(f"parameter '{field}' must be a JSON string", field)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise InvalidOverride(f"parameter '{field}' is not valid JSON: {exc}", field) from None
