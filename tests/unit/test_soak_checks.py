@@ -304,8 +304,9 @@ def test_a_path_of_the_mix_that_never_answers():
 @pytest.mark.parametrize("phase, error, problems", [
     ("restart", "error event: the OpenAI front is shutting down", []),
     ("stub_kill", "error event: the OpenAI front is shutting down", []),  # sent before, still open at the restart
+    ("restart", "[code=model_unloading] the server is shutting down: retry on another replica", []),  # on Triton's gRPC
     ("restart", "HTTP 503: the inference server is unavailable; retry later",
-     ["1 valid request(s) failed other than on the killed stub or a stream the front ended at its restart"]),
+     ["1 valid request(s) failed other than on the killed stub or a stream the restart's shutdown ended"]),
 ])
 def test_a_stream_the_front_ended_at_its_shutdown(phase, error, problems):
     tally = new_tally()
