@@ -43,10 +43,15 @@ class Recorder(Observer):
 class Log:
     def __init__(self):
         self.lines = []
+        self.request_ids = []  # the request each line named (model_log.Log puts it in the line)
 
-    def info(self, m): self.lines.append(m)
-    def warn(self, m): self.lines.append(m)
-    def error(self, m): self.lines.append(m)
+    def _line(self, m, request_id):
+        self.lines.append(m)
+        self.request_ids.append(request_id)
+
+    def info(self, m, request_id=None): self._line(m, request_id)
+    def warn(self, m, request_id=None): self._line(m, request_id)
+    def error(self, m, request_id=None): self._line(m, request_id)
 
 
 def job(prompt="Describe", model="gpt-4o-mini", timeout_s=2.0, **kw):
