@@ -65,11 +65,22 @@ def entry(request, response, status, seconds):
     }
 
 
+class StreamResponse(web.StreamResponse):
+    """A streamed answer that counts its body's bytes for the access log
+    (aiohttp's body_length counts the headers and the chunk framing too)."""
+
+    body_bytes = 0
+
+    async def write(self, data):
+        await super().write(data)
+        self.body_bytes += len(data)
+
+
 def _bytes_out(response):
-    """The body's bytes: as written for a stream the handler sent itself, else
-    the length of the body about to go out (before any compression)."""
+    """The answer body's bytes (before any compression): as written for a
+    stream, else the length of the body about to go out."""
     if response is None:
         return 0
-    if response.prepared:
-        return response.body_length
+    if isinstance(response, StreamResponse):
+        return response.body_bytes
     return response.content_length or 0

@@ -248,7 +248,7 @@ async def _stream(request, model, parsed, image):
             if cancel.args != (SHUTTING_DOWN,):
                 raise
             raise unavailable(SHUTTING_DOWN) from None
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = access_log.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
             chunks = responses.ChunkWriter(responses.completion_id(), model.id, parsed.include_usage)

@@ -15,6 +15,7 @@ it runs through an admin API on the same port:
                        "duration_s": 3}      # "refuse": stop listening this long
   GET  /_admin/stats  requests received, in flight, last Authorization header,
                       requests by Authorization header ("" when absent),
+                      recent X-Request-ID headers (request_ids; None when absent),
                       recent bodies and arrival times, disconnects (and the
                       time of each: disconnect_times), streamed answers' texts,
                       images: per request, the image parts it carried, decoded
@@ -119,7 +120,7 @@ class FakeOpenAI:
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
                       "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
                       "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0,
-                      "images": []}
+                      "images": [], "request_ids": []}
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
                  chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None):
@@ -168,6 +169,7 @@ class FakeOpenAI:
         authorization = stats["last_authorization"] or ""
         stats["authorizations"][authorization] = stats["authorizations"].get(authorization, 0) + 1
         stats["arrivals"] = (stats["arrivals"] + [time.time()])[-RECENT:]
+        stats["request_ids"] = (stats["request_ids"] + [request.headers.get("X-Request-ID")])[-RECENT:]
         if request.transport is not None:
             self._transports.add(request.transport)
         mode = self._take_mode()
