@@ -46,9 +46,9 @@ def create_app(settings):
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/metrics", metrics)
-    app.on_response_prepare.append(request_id.send_back)
     app.router.add_get("/health", health)
     app.router.add_get("/health/ready", ready)
+    app.on_response_prepare.append(request_id.send_back)
     app.on_startup.append(_start)
     app.on_shutdown.append(_end_streams)
     app.on_cleanup.append(_stop)
@@ -132,7 +132,7 @@ async def _errors_and_auth(request, handler):
                            code="not_found" if http.status == 404 else None)
     except Exception as bug:  # noqa: BLE001 - a bug answers that request alone, in OpenAI's format
         # The type and message only: a traceback's locals could hold the request (or a key).
-        log.error("openai_front: %sunexpected %s: %s", request_id.tag(request_id.of(request)), type(bug).__name__, bug)
+        log.error("openai_front: %sunexpected %s: %s", request_id.log_tag(request), type(bug).__name__, bug)
         error = FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
     request.app[METRICS].error(error.status, error.code)
     return error_response(error)
@@ -219,7 +219,7 @@ async def chat_completions(request):
     except FrontError as error:
         status = error.status
         if status >= 500:
-            log.warning("openai_front: %s%s %s", request_id.tag(request_id.of(request)), status, error.message)
+            log.warning("openai_front: %s%s %s", request_id.log_tag(request), status, error.message)
         raise
     except asyncio.CancelledError:
         # The client left (aiohttp's handler_cancellation): the gRPC call was
@@ -263,8 +263,7 @@ async def _stream(request, model, parsed, image):
                 # Headers are out: the failure goes as an error event, never as a second status line.
                 error = _stream_error(failure, request)
                 request.app[METRICS].error(error.status, error.code)
-                log.warning("openai_front: %sstream failed after it started: %s", request_id.tag(request_id.of(request)),
-                            error.message)
+                log.warning("openai_front: %sstream failed after it started: %s", request_id.log_tag(request), error.message)
                 await response.write(responses.sse(error.body()))
                 await response.write_eof()
                 return response, None, error.status
@@ -292,8 +291,7 @@ def _stream_error(failure, request):
         if failure.args != (SHUTTING_DOWN,):
             raise failure
         return unavailable(SHUTTING_DOWN)
-    log.error("openai_front: %sunexpected %s in a stream: %s", request_id.tag(request_id.of(request)),
-              type(failure).__name__, failure)
+    log.error("openai_front: %sunexpected %s in a stream: %s", request_id.log_tag(request), type(failure).__name__, failure)
     return FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
 
 

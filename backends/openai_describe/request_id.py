@@ -55,6 +55,11 @@ def of(request):
     return request_id
 
 
+def log_tag(request):
+    """The start of a front log line about this request."""
+    return tag(of(request))
+
+
 async def send_back(request, response):
     """An aiohttp on_response_prepare signal: every answer carries its request's
     id (whole, streamed and error answers alike), as its headers go out."""
