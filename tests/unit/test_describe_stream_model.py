@@ -56,9 +56,15 @@ def test_labels_then_chunks_then_source_and_usage_with_the_final_flag(fake_pb_ut
     assert "".join(texts) == fake.stats()["streamed_answers"][-1]
     assert last.output("DESCRIPTION_SOURCE")[0][0] == b"llm" and usage["chunks"] == 12
     families = pb_utils.MetricFamily.families
+    observed = []
     for name in ("describe_stream_time_to_labels_seconds", "describe_stream_time_to_first_token_seconds",
                  "describe_stream_duration_seconds"):
-        assert [len(m.observations) for m in families[name].metrics if m.labels["model"] == "describe_stream"] == [1]
+        series = [m.observations for m in families[name].metrics if m.labels["model"] == "describe_stream"]
+        assert [len(o) for o in series] == [1]
+        observed.append(series[0][0])
+    labels_s, first_token_s, duration_s = observed
+    # In seconds and in order: the 12 chunks come 20 ms apart (0.22 s at least); 10 s leaves a loaded machine room.
+    assert 0 <= labels_s <= first_token_s <= duration_s and 0.2 <= duration_s < 10, observed
     assert sum(m.value() for m in families["describe_stream_chunks_total"].metrics
                if m.labels["model"] == "describe_stream") == 12
 
