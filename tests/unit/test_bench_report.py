@@ -12,6 +12,7 @@ import json
 import pathlib
 import re
 import sys
+import time
 import types
 
 import pytest
@@ -202,10 +203,24 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch):
     assert events == ["reset", "reset", "good", "reset"]
 
 
-def test_a_worker_that_dies_fails_the_measurement_quickly(tmp_path):
+def test_workers_that_cannot_load_fail_the_measurement_and_say_why(tmp_path):
     # A repository without a classifier model: every worker fails to load and says why.
-    with pytest.raises(RuntimeError, match="in-process torchscript 2x1"):
+    with pytest.raises(RuntimeError, match="in-process torchscript 2x1: FileNotFoundError"):
         inprocess.measure_layout("torchscript", tmp_path, [], 2, 1, [1], 0.1)
+
+
+def test_a_worker_that_dies_fails_the_measurement_without_waiting_out_the_barrier(tmp_path):
+    """Worker 1 warms up on the photo that is not one and dies; worker 0 warmed up on
+    good photos and waits at the barrier, which the dying worker breaks: the run
+    fails at once instead of after BARRIER_TIMEOUT_S (300 s)."""
+    bad = tmp_path / "not_a_photo.jpg"
+    bad.write_bytes(b"not an image")
+    photo = REPO / "docs/sample/coffee.png"
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="in-process onnx_fp32 2x1: .*(image|decode)"):
+        inprocess.measure_layout("onnx_fp32", REPO / "model_repository", [photo, photo, bad], 2, 1, [1], 0.1)
+    # Generous (two fresh interpreters loading onnxruntime on a loaded machine), and far below 300 s.
+    assert time.monotonic() - started < inprocess.BARRIER_TIMEOUT_S / 3
 
 
 def test_the_committed_report_is_what_its_results_file_generates(tmp_path):
