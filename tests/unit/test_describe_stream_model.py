@@ -287,23 +287,24 @@ def test_a_stream_beyond_max_open_streams_is_refused_at_once(fake_pb_utils_modul
     import error_contract as contract
 
     pb_utils = fake_pb_utils_module
-    fake.set_mode("ok", latency_ms=600, answer_words=3)
+    fake.set_mode("ok", latency_ms=1500, answer_words=3)
     model, make_request = stream_model_and_request(pb_utils, monkeypatch, fake.base_url, model_kind,
                                                    max_open_streams="2", cache_enabled="false")
     try:
         first, second, third = make_request(), make_request(), make_request()
         model.execute([first, second])
-        started = time.monotonic()
         model.execute([third])
         refused = sent(third, pb_utils)
-        refused_in = time.monotonic() - started
+        # At once: refused while both open streams still wait on their 1.5 s upstream, not after a slot freed.
+        open_at_refusal = [not any(f & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL for f in r.get_response_sender().flags)
+                           for r in (first, second)]
         done = [sent(first, pb_utils), sent(second, pb_utils)]
         fourth = make_request()
         model.execute([fourth])
         after = sent(fourth, pb_utils)
     finally:
         model.finalize()
-    assert len(refused) == 1 and refused_in < 0.3, (refused, refused_in)
+    assert len(refused) == 1 and open_at_refusal == [True, True], (refused, open_at_refusal)
     error, final = refused[0]
     assert final and error.code() == pb_utils.TritonError.UNAVAILABLE, refused
     assert contract.read(error.message()).code == contract.OVERLOADED and "max_open_streams=2" in error.message()
