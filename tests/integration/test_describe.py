@@ -281,16 +281,48 @@ def test_one_instance_holds_500_calls_and_queues_beyond_the_cap(triton, fake_llm
     assert elapsed < 20, elapsed  # serial would take 1,100 s
 
 
-def test_metrics_report_tokens_cost_latency_and_gauges(triton, client):
-    describe(client, unique())
-    assert metric_value(triton, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
-    assert metric_value(triton, "describe_completion_tokens_total", upstream_model="gpt-4o-mini") > 0
-    assert metric_value(triton, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
-    assert metric_value(triton, "describe_upstream_latency_seconds_count", upstream_model="gpt-4o-mini",
-                        result="ok") > 0
-    assert metric_value(triton, "describe_requests_total", outcome="ok") > 0
+def settled(triton, expected, deadline_s=15.0):
+    """{(name, labels): value} read until every `expected` value is there: the model
+    writes its metrics every 0.25 s, later on a loaded machine, hence the generous
+    deadline. Returns the last reading, which the caller asserts on."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        seen = {key: metric_value(triton, key[0], **dict(key[1])) for key in expected}
+        if all(seen[key] == value for key, value in expected.items()) or time.monotonic() > deadline:
+            return seen
+
+
+def test_metrics_count_each_request_and_what_it_billed_and_time_it_in_seconds(triton, client, fake_llm):
+    """Three requests to a 300 ms upstream, on an upstream model of their own (series
+    no other test feeds): the counters move by exactly what was sent and billed,
+    and the latency histogram holds three observations in seconds."""
+    upstream = "gpt-4o-mini-it-metrics"
+    ok = ("describe_requests_total", (("outcome", "ok"),))
+    ok_before = metric_value(triton, "describe_requests_total", outcome="ok") or 0
+    fake_llm.admin("mode", {"mode": "ok", "latency_ms": 300})
+    usages = [describe(client, unique(), model=upstream)[2] for _ in range(3)]
+    assert [u["model"] for u in usages] == [upstream] * 3 and all(u["attempts"] == 1 for u in usages)
+
+    def series(name, **labels):
+        return name, tuple(sorted(dict(labels, upstream_model=upstream).items()))
+
+    latency = "describe_upstream_latency_seconds"
+    expected = {
+        ok: ok_before + 3,
+        series("describe_prompt_tokens_total"): sum(u["prompt_tokens"] for u in usages),
+        series("describe_completion_tokens_total"): sum(u["completion_tokens"] for u in usages),
+        series(latency + "_count", result="ok"): 3,
+        series(latency + "_bucket", result="ok", le="0.25"): 0,  # each call took 0.3 s at least
+        series(latency + "_bucket", result="ok", le="10"): 3,  # and far less than 10 s
+        series("describe_circuit_state"): 0,
+    }
+    seen = settled(triton, expected)
+    assert seen == expected
+    total_s = metric_value(triton, latency + "_sum", upstream_model=upstream, result="ok")
+    assert 0.9 <= total_s < 30, f"three 0.3 s calls took {total_s} (seconds expected)"
+    cost = metric_value(triton, "describe_cost_usd_total", upstream_model=upstream)
+    assert cost == pytest.approx(sum(u["cost_usd"] for u in usages), rel=1e-3)
     assert metric_value(triton, "describe_upstream_in_flight") == 0
-    assert metric_value(triton, "describe_circuit_state", upstream_model="gpt-4o-mini") == 0
 
 
 def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_llm):

@@ -762,7 +762,8 @@ def test_metrics_count_answers_errors_tokens_and_latency(front, photos):
         return urllib.request.urlopen(front.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
 
     before = scrape()
-    post(front, {"model": MODEL, "messages": user_message(data_uri(photos["coffee"]), unique_prompt())})
+    status, _, answer = post(front, {"model": MODEL, "messages": user_message(data_uri(photos["coffee"]), unique_prompt())})
+    assert status == 200, answer
     post(front, {"model": "no-such-model", "messages": user_message(data_uri(photos["coffee"]))})
     after = scrape()
     ok = dict(model=MODEL, stream="false", status="200")
@@ -771,9 +772,13 @@ def test_metrics_count_answers_errors_tokens_and_latency(front, photos):
             == metric(before, "openai_front_requests_total", model="other", status="404") + 1), "client ids never become labels"
     assert (metric(after, "openai_front_errors_total", code="model_not_found")
             == metric(before, "openai_front_errors_total", code="model_not_found") + 1)
-    assert (metric(after, "openai_front_tokens_total", model=MODEL, kind="completion")
-            > metric(before, "openai_front_tokens_total", model=MODEL, kind="completion"))
-    assert metric(after, "openai_front_request_duration_seconds_count", model=MODEL, stream="false") >= 1
+    for kind in ("prompt", "completion"):  # exactly what this answer billed
+        assert (metric(after, "openai_front_tokens_total", model=MODEL, kind=kind)
+                == metric(before, "openai_front_tokens_total", model=MODEL, kind=kind) + answer["usage"][f"{kind}_tokens"])
+    durations = dict(model=MODEL, stream="false")
+    for series, labels in (("_count", durations), ("_bucket", dict(durations, le="+Inf"))):
+        name = "openai_front_request_duration_seconds" + series
+        assert metric(after, name, **labels) == metric(before, name, **labels) + 1
     assert "no-such-model" not in after
 
 

@@ -664,20 +664,55 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_bodies_past_the_limit_in_flight_are_503_with_retry_after():
+async def until(predicate, what, deadline_s=10.0):
+    """Wait for `predicate()`, polled; the deadline is generous because a loaded
+    machine may take long to accept and start reading a connection."""
+    for _ in range(int(deadline_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {deadline_s:g} s: {what}")
+
+
+def test_bodies_being_read_past_the_limit_are_503_with_retry_after_and_free_their_slots():
+    """Two real bodies held half-sent take the two slots; a third chat request is
+    refused at once, other routes are not; once both bodies arrive, both are read
+    (their own answers) and the slots are free again."""
     app = front_with(StalledPool(), max_bodies_in_flight=2)
+    payload = json.dumps(body(model="unknown")).encode()  # read and parsed, then 404: the pool is never called
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload))
+    bodies = app[front_app.BODIES]
 
     async def main():
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-            app[front_app.BODIES].now = 2  # two bodies being read
-            refused = await client.post("/v1/chat/completions", data=json.dumps(body()))
-            app[front_app.BODIES].now = 1
+            held = []
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+                writer.write(head + payload[:10])
+                await writer.drain()
+                held.append((reader, writer))
+            await until(lambda: bodies.now == 2, "two bodies being read hold two slots")
+            refused = await client.post("/v1/chat/completions", data=payload)
             models = await client.get("/v1/models")  # only chat bodies count
-            return refused.status, refused.headers.get("Retry-After"), await refused.json(), models.status
+            answers = []
+            for reader, writer in held:
+                writer.write(payload[10:])
+                await writer.drain()
+                answers.append(await asyncio.wait_for(reader.read(), 10))
+                writer.close()
+            await until(lambda: bodies.now == 0, "both slots freed")
+            served = await client.post("/v1/chat/completions", data=payload)
+            return (refused.status, refused.headers.get("Retry-After"), await refused.json(), models.status,
+                    answers, served.status)
 
-    status, retry_after, answer, models = asyncio.run(main())
+    status, retry_after, answer, models, answers, served = asyncio.run(main())
     assert status == 503 and int(retry_after) >= 1 and "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT" in answer["error"]["message"]
+    assert "reading 2 request bodies" in answer["error"]["message"]
     assert models == 200
+    assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"HTTP/1.1 404 Not Found"] * 2
+    assert all(b"model_not_found" in a for a in answers)
+    assert served == 404, "a freed slot reads the next body"
 
 
 def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch):
