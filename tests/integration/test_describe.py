@@ -26,6 +26,8 @@ from tritonclient.utils import InferenceServerException
 
 from tools.local_stack import TritonServer
 
+from .conftest import STARTS_ITS_OWN_SERVER
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "describe"
 LABELS = ("tabby, tabby cat", "tiger cat", "Egyptian cat")
@@ -293,6 +295,7 @@ def test_metrics_report_tokens_cost_latency_and_gauges(triton, client):
     assert metric_value(triton, "describe_circuit_state", upstream_model="gpt-4o-mini") == 0
 
 
+@STARTS_ITS_OWN_SERVER
 def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_llm):
     """A second, small server (describe, and the classifier serve.sh insists on)
     started by the same scripts/serve.sh, without LLM_API_KEY."""

@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
-from .conftest import running_triton
+from .conftest import STARTS_ITS_OWN_SERVER, running_triton
 from .test_streaming import grpc_stream, http_stream
 
 VIEW_MAX_SIDE = 768  # preprocess's default (backends/image_preprocess/image_decode.py)
@@ -172,6 +172,7 @@ def test_the_photo_never_reaches_the_log_or_the_metrics(triton, llm):
     assert "data:image" not in text and encoded[:64] not in text
 
 
+@STARTS_ITS_OWN_SERVER
 def test_vision_off_sends_no_image_and_makes_no_view(fake_llm, tmp_path):
     fake_llm.admin("reset", {})
     with running_triton(tmp_path, fake_llm, {"LLM_VISION": "off"}) as server:
