@@ -262,7 +262,7 @@ def test_an_upstream_that_floods_is_cut_at_the_limit_and_closed(triton, llm, req
     assert stream.last["DESCRIPTION_SOURCE"] == "llm_partial" and len(stream.text) == 16 * 64
     assert usage["fallback_reason"] == "answer_too_long" and usage["finish_reason"] == "length"
     assert usage["tokens_estimated"] is True and usage["cost_usd"] > 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # generous: the wait ends as soon as the fake sees the close
     while stats(llm)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stats(llm)["disconnected"] == before["disconnected"] + 1
@@ -360,14 +360,16 @@ def test_a_client_that_closes_its_stream_stops_the_upstream_stream(triton, llm, 
     llm.admin("mode", {"mode": "ok", "chunk_ms": 50, "answer_words": 400})  # a 20 s answer
     before = stats(llm)
     closed_at = open_then_close(triton, requests_, protocol, f"Long ({uuid.uuid4().hex})")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while stats(llm)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
         time.sleep(0.02)
     after = stats(llm)
     assert after["disconnected"] == before["disconnected"] + 1, "the upstream stream was not closed"
     closed_after_s = after["disconnect_times"][-1] - closed_at
     print(f"\n{protocol}: upstream connection closed {closed_after_s * 1000:.0f} ms after the client closed")
-    assert closed_after_s < 1.0
+    # About cancel_poll_s on an idle machine; the bound leaves room for a loaded one and
+    # still tells a closed stream from the 20 s answer read to its end.
+    assert closed_after_s < 5.0
     assert after["streams_completed"] == before["streams_completed"]
 
 
