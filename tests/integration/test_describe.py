@@ -90,6 +90,16 @@ def metric_value(triton, name, **labels):
     return total if found else None
 
 
+def assert_metric_becomes(triton, name, expected, timeout_s=30, **labels):
+    """The metric equals `expected` within `timeout_s`: a loaded machine can delay the
+    model's write past the 0.3 s metric_value waits."""
+    deadline = time.monotonic() + timeout_s
+    value = metric_value(triton, name, **labels)
+    while value != expected and time.monotonic() < deadline:
+        value = metric_value(triton, name, **labels)
+    assert value == expected, f"{name} {labels}: {value}, expected {expected}"
+
+
 def wait_until_upstream_has(fake_llm, requests, timeout_s=60):
     """Until the fake upstream has received `requests` in all (generous: on a loaded
     machine classification and the model's queue take seconds)."""
@@ -131,7 +141,7 @@ def test_identical_requests_are_answered_by_the_in_model_cache(client, fake_llm,
     assert second[0] == first[0] and second[1] == "llm"
     assert second[2]["cached"] is True and second[2]["cost_usd"] == 0
     assert stats(fake_llm)["requests"] == requests_after_first  # no new upstream call
-    assert metric_value(triton, "describe_cache_lookups_total", result="hit") == hits_before + 1
+    assert_metric_becomes(triton, "describe_cache_lookups_total", hits_before + 1, result="hit")
     # Triton's response cache is deliberately off for this model (it would keep fallbacks).
     assert not metric_value(triton, "nv_cache_num_hits_per_model")
 
@@ -161,7 +171,7 @@ def test_429_is_retried_after_retry_after(client, fake_llm, triton):
     assert source == "llm" and usage["attempts"] == 2
     first, second = stats(fake_llm)["arrivals"][-2:]
     assert second - first >= 1.0
-    assert metric_value(triton, "describe_requests_total", outcome="retried") == retried_before + 1
+    assert_metric_becomes(triton, "describe_requests_total", retried_before + 1, outcome="retried")
 
 
 @pytest.mark.parametrize("mode, reason", [("500", "upstream_error_http_500"), ("malformed", "malformed_response"),
@@ -228,7 +238,7 @@ def test_circuit_opens_then_half_opens_and_closes(client, fake_llm, triton):
     fake_llm.admin("mode", {"mode": "500"})
     describe(client, unique(), model=model)   # 3 failed attempts
     describe(client, unique(), model=model)   # 2 more: the threshold (5) opens the circuit
-    assert metric_value(triton, "describe_circuit_state", upstream_model=model) == 2
+    assert_metric_becomes(triton, "describe_circuit_state", 2, upstream_model=model)
     before = stats(fake_llm)["requests"]
     _, source, usage = describe(client, unique(), model=model)
     assert source == "fallback" and usage["fallback_reason"] == "circuit_open" and usage["attempts"] == 0
@@ -240,7 +250,7 @@ def test_circuit_opens_then_half_opens_and_closes(client, fake_llm, triton):
     while describe(client, unique(), model=model)[1] != "llm":
         assert time.monotonic() < deadline, "the circuit never half-opened"
         time.sleep(0.5)
-    assert metric_value(triton, "describe_circuit_state", upstream_model=model) == 0
+    assert_metric_becomes(triton, "describe_circuit_state", 0, upstream_model=model)
 
 
 def test_a_cancelled_request_stops_its_upstream_call(triton, fake_llm):
@@ -311,8 +321,8 @@ def test_metrics_report_tokens_cost_latency_and_gauges(triton, client):
     assert metric_value(triton, "describe_upstream_latency_seconds_count", upstream_model="gpt-4o-mini",
                         result="ok") > 0
     assert metric_value(triton, "describe_requests_total", outcome="ok") > 0
-    assert metric_value(triton, "describe_upstream_in_flight") == 0
-    assert metric_value(triton, "describe_circuit_state", upstream_model="gpt-4o-mini") == 0
+    assert_metric_becomes(triton, "describe_upstream_in_flight", 0)
+    assert_metric_becomes(triton, "describe_circuit_state", 0, upstream_model="gpt-4o-mini")
 
 
 @STARTS_ITS_OWN_SERVER
