@@ -11,10 +11,17 @@ import pytest
 
 from tools.local_stack import FakeLLM, NotReady, TritonServer
 
+from ..conftest import SHARED_FIXTURE_SETUP_S
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # Scanned for in every log, output and metric: it must never show up.
 TEST_API_KEY = "sk-test-DO-NOT-LEAK-7f3a9c2e51"
-SERVER_READY_TIMEOUT_S = 300
+# The session's server is a shared fixture: the test that starts it gets this much
+# more than the 300 s every test has (tests/conftest.py, pyproject.toml).
+SERVER_READY_TIMEOUT_S = SHARED_FIXTURE_SETUP_S
+# A test that starts a server of its own waits for it in its own time: 300 s
+# (pyproject.toml) for the test, SERVER_READY_TIMEOUT_S for the start.
+STARTS_ITS_OWN_SERVER = pytest.mark.timeout(300 + SERVER_READY_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

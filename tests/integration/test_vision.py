@@ -19,7 +19,7 @@ from PIL import Image
 
 from tools.bench import inprocess
 
-from .conftest import running_triton
+from .conftest import STARTS_ITS_OWN_SERVER, running_triton
 from .public_models import REPO
 from .test_streaming import grpc_stream, http_stream
 
@@ -190,6 +190,7 @@ def test_the_photo_never_reaches_the_log_or_the_metrics(triton, llm):
         assert found == [], f"{len(found)} stretches of the {name}'s base64 are in the log or metrics"
 
 
+@STARTS_ITS_OWN_SERVER
 def test_vision_off_sends_no_image_and_makes_no_view(fake_llm, tmp_path):
     fake_llm.admin("reset", {})
     with running_triton(tmp_path, fake_llm, {"LLM_VISION": "off"}) as server:

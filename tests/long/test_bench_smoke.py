@@ -18,6 +18,7 @@ PERF_ANALYZER = REPO / "build/perf_analyzer/bin/perf_analyzer"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(600)  # the run's own limit is 300 s, the report's 120 s
 def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     if not PERF_ANALYZER.exists():
         pytest.fail(f"{PERF_ANALYZER} is missing: run `make perf-analyzer` (the benchmarks need it)")
