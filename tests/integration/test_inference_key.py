@@ -9,6 +9,7 @@ this setting are checked without a server in tests/test_control_api_policy.py.
 
 One server of its own (the session server keeps inference open, as `make run`)."""
 
+import asyncio
 import base64
 import json
 import os
@@ -23,6 +24,8 @@ import uuid
 import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from classify_describe import AsyncClient, Client, TritonRequestError
 
 from .conftest import REPO, running_triton
 from .public_models import COFFEE_TOP1, MODELS, STREAM_MODELS, ValidRequests
@@ -198,6 +201,31 @@ def test_the_openai_front_still_answers(server, stream):
         assert "Fake answer #" in text, body[-300:]
     else:
         assert "Fake answer #" in json.loads(body)["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_repositorys_client_sends_the_key_it_is_given(server, photos, refusals, protocol):
+    url = server.http_url if protocol == "http" else server.grpc_url
+    with Client(url, protocol) as client:
+        with pytest.raises(TritonRequestError, match="expecting header") as error:
+            client.infer(photos["coffee"])
+        refusals.append(str(error.value))
+        with pytest.raises(TritonRequestError):
+            list(client.stream(photos["coffee"], "What is it?"))
+    with Client(url, protocol, inference_key=INFERENCE_KEY) as client:
+        assert client.infer(photos["coffee"]).labels[0] == "espresso"
+        events = list(client.stream(photos["coffee"], f"What is it? ({uuid.uuid4().hex[:8]})"))
+        assert events[-1].kind == "done" and events[-1].result.description_source == "llm"
+
+    async def asynchronous():
+        async with AsyncClient(url, protocol, inference_key=INFERENCE_KEY) as client:
+            result = await client.infer(photos["coffee"])
+            events = [e async for e in client.stream(photos["coffee"], f"What? ({uuid.uuid4().hex[:8]})")]
+        return result, events
+
+    result, events = asyncio.run(asynchronous())
+    assert result.labels[0] == "espresso"
+    assert events[-1].kind == "done" and events[-1].result.description_source == "llm"
 
 
 def documented_example():
