@@ -212,6 +212,7 @@ def test_kserve_resources_are_well_formed():
     # The admin key is the server's, so the runtime itself carries it (not every
     # InferenceService that uses the runtime has to remember it).
     assert "TRITON_ADMIN_KEY_FILE" in {e["name"] for e in runtime["spec"]["containers"][0]["env"]}
+    check_inference_key_is_an_optional_secret_file(container, pod["spec"])
 
 
 def test_servicemonitor_and_adapter_rule_match_the_deployment():
@@ -567,21 +568,24 @@ INFERENCE_KEY_SECRET = "classify-describe-inference-key"
 NETWORK_POLICY = DEPLOY / "network/networkpolicy.yaml"
 
 
-def test_inference_key_from_an_optional_secret_file(overlay):
+def check_inference_key_is_an_optional_secret_file(container, spec):
     """TRITON_INFERENCE_KEY_FILE names the file of an optional Secret: without
     it the pod starts with inference open (the supervisor's default), with it
-    inference on 8000/8001 needs the key (tests/integration/test_inference_key.py)."""
-    _, docs = overlay
-    container = server_container(docs)
+    inference needs the key (tests/integration/test_inference_key.py)."""
     env = {e["name"]: e for e in container.get("env", [])}
     assert "TRITON_INFERENCE_KEY" not in env
     key_path = pathlib.PurePosixPath(env["TRITON_INFERENCE_KEY_FILE"]["value"])
-    volume, mount = secret_file_mounts(container, pod_spec(by_kind(docs, "Deployment"))).get(key_path, ({}, {}))
+    volume, mount = secret_file_mounts(container, spec).get(key_path, ({}, {}))
     assert mount.get("readOnly") and volume["secret"]["secretName"] == INFERENCE_KEY_SECRET
     assert volume["secret"].get("optional") is True
     example = load_docs(DEPLOY / "base/inference-key.secret.example.yaml")[0]
     assert example["metadata"]["name"] == INFERENCE_KEY_SECRET
     assert {i["key"] for i in volume["secret"]["items"]} <= example["stringData"].keys()
+
+
+def test_inference_key_from_an_optional_secret_file(overlay):
+    _, docs = overlay
+    check_inference_key_is_an_optional_secret_file(server_container(docs), pod_spec(by_kind(docs, "Deployment")))
 
 
 def allowed_ports(policy, container):

@@ -30,6 +30,7 @@ from classify_describe import AsyncClient, Client, TritonRequestError
 from .conftest import REPO, running_triton
 from .public_models import COFFEE_TOP1, MODELS, STREAM_MODELS, ValidRequests
 from .raw_infer import GrpcInfer, bytes_tensor, fp32_tensor, http_infer
+from .test_deploy_probes import manifest_probes
 
 INFERENCE_KEY = "inf-" + uuid.uuid4().hex + uuid.uuid4().hex[:8]
 WRONG_KEY = "inf-" + "0" * 40
@@ -162,6 +163,15 @@ def test_streams_answer_only_with_the_key(server, photos, refusals, model, proto
     status, names = send(*RIGHT)
     assert status == "ok", names
     assert {"DESCRIPTION", "DESCRIPTION_SOURCE"} <= set(names), names
+
+
+@pytest.mark.parametrize("where, probe, path, role", manifest_probes(), ids=lambda value: str(value))
+def test_every_manifest_probe_still_answers_200(server, where, probe, path, role):
+    """With inference closed, every probe in deploy/ (Triton's /v2/health/* and
+    the front's /health/ready, which asks Triton over gRPC) still passes."""
+    address = {"http": server.http_url, "openai": f"127.0.0.1:{server.openai_port}"}[role]
+    with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as response:
+        assert response.status == 200, (where, probe)
 
 
 def test_health_and_metadata_stay_open(server):
