@@ -196,7 +196,9 @@ def test_answers_flow_through_the_gateway_with_the_provider_key_its_alone(server
     assert "Fake answer #" in chat(server, seen, stream=False)
     assert "Fake answer #" in chat(server, seen, stream=True)
     calls = llm.admin("stats")["authorizations"]
-    assert calls == {f"Bearer {PROVIDER_KEY}": 3}, "the upstream saw another key than the gateway's provider key"
+    # At least the three calls (a slow attempt retried on a busy machine would add one).
+    assert set(calls) == {f"Bearer {PROVIDER_KEY}"} and calls[f"Bearer {PROVIDER_KEY}"] >= 3, \
+        "the upstream saw another key than the gateway's provider key"
     assert gateway.log().count("POST /v1/chat/completions HTTP/1.1\" 200") >= 3
 
 
