@@ -208,6 +208,8 @@ if [[ -n "$inference_key" ]]; then
   echo "serve: inference needs header 'inference-key' (gRPC: 'triton-grpc-protocol-inference-key');" \
        "the key is $key_source" >&2
 else
+  [[ -z "${TRITON_INFERENCE_KEY_FILE:-}" ]] || \
+    echo "serve: TRITON_INFERENCE_KEY_FILE=$TRITON_INFERENCE_KEY_FILE does not exist (the Secret is optional)" >&2
   echo "serve: inference is open to whoever reaches the HTTP and gRPC ports (TRITON_INFERENCE_KEY_FILE" \
        "or TRITON_INFERENCE_KEY restricts it)" >&2
 fi

@@ -270,6 +270,8 @@ def test_an_inference_key_file_wins_and_a_missing_one_counts_as_unset(tmp_path, 
     (tmp_path / "received.json").unlink()
     run = supervised(dockerfile_cmd(), {"TRITON_INFERENCE_KEY_FILE": str(tmp_path / "absent")}, tmp_path, stand_in)
     run.restricted_key(inference_key=None)
+    assert f"TRITON_INFERENCE_KEY_FILE={tmp_path / 'absent'} does not exist" in run.output
+    assert "inference is open" in run.output
 
 
 @pytest.mark.parametrize("content, message", [("\n", "is empty"), ("two words\n", "spaces or control characters")],
