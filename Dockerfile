@@ -58,6 +58,8 @@ HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
 # shared memory, logging, trace) to callers with the admin key:
 # TRITON_ADMIN_KEY_FILE or TRITON_ADMIN_KEY, else one it generates into
 # /tmp/triton-admin-key (`docker exec <container> cat /tmp/triton-admin-key`).
+# TRITON_INFERENCE_KEY_FILE or TRITON_INFERENCE_KEY (optional) closes inference on
+# 8000/8001 too (header inference-key; the front sends it itself).
 # It also starts the OpenAI-compatible front (openai_front/, port OPENAI_PORT=8003;
 # OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE require a key, OPENAI_FRONT=0 turns it off).
 # It is what `make run` runs too. All interfaces, on purpose: published ports

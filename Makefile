@@ -27,6 +27,7 @@ ONNX_FILES := $(CLASSIFIER)/1/model.onnx $(CLASSIFIER)/1/model.int8.onnx
 GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
 OUR_BACKENDS := $(notdir $(wildcard backends/*))
 PERF_DIR   := $(BUILD)/perf_analyzer
+LITELLM_DIR := $(BUILD)/litellm-venv
 
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
@@ -111,7 +112,7 @@ run: build
 demo: build
 	HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT) scripts/demo.sh
 
-test: build perf-analyzer
+test: build perf-analyzer litellm-gateway
 	scripts/run_tests.sh
 
 unit: build
@@ -131,13 +132,21 @@ $(PERF_DIR)/.installed: versions.env scripts/install_perf_analyzer.sh | $(TRITON
 	scripts/install_perf_analyzer.sh $(PY) $(PERF_DIR) $(TRITON_DIR)/nvidia_pytriton.libs
 	touch $@
 
+# The LiteLLM proxy (the shared LLM gateway, docs/llm-gateway.md) for
+# tests/integration/test_llm_gateway.py, in its own venv (about 800 MB, 2 min).
+.PHONY: litellm-gateway
+litellm-gateway: $(LITELLM_DIR)/.installed
+$(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install_litellm.sh
+	scripts/install_litellm.sh $(PYTHON_BIN) $(LITELLM_DIR)
+	touch $@
+
 docker-build:
 	docker build --build-arg TRITON_IMAGE=$(TRITON_IMAGE) -t $(IMAGE_NAME) .
 
 docker-run:
 	docker run --rm --gpus all --shm-size=1g \
 	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 -p $(OPENAI_PORT):8003 \
-	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY -e OPENAI_FRONT_API_KEY $(IMAGE_NAME)
+	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY -e TRITON_INFERENCE_KEY -e OPENAI_FRONT_API_KEY $(IMAGE_NAME)
 
 clean:
 	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)

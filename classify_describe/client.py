@@ -264,12 +264,28 @@ def _parse(result, latency_ms):
         usage=usage, latency_ms=latency_ms)
 
 
+def _key_headers(protocol, inference_key):
+    """The header a server whose inference is closed by a key wants
+    (TRITON_INFERENCE_KEY): `inference-key`, over gRPC with Triton's prefix."""
+    if not inference_key:
+        return None
+    return {"inference-key" if protocol == "http" else "triton-grpc-protocol-inference-key": inference_key}
+
+
+def _copy(headers):
+    # tritonclient's HTTP infer writes its own headers into the dict it is given.
+    return dict(headers) if headers else None
+
+
 class Client:
     """Blocking client. `protocol` is "http" (url host:8000) or "grpc" (host:8001)."""
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 timeout_s=120.0, retries=0, retry_backoff_s=0.5):
-        """`retries`: how many times to resend a request that got no answer
+                 timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None):
+        """`inference_key`: for a server whose inference needs one
+        (TRITON_INFERENCE_KEY); sent with every request, never printed.
+
+        `retries`: how many times to resend a request that got no answer
         (connection refused or broken, e.g. while the server restarts) or
         UNAVAILABLE; 0 (the default) never resends. Errors about the request
         itself (INVALID_ARG: a bad image, a limit) are never resent, nor is a
@@ -283,6 +299,7 @@ class Client:
         self.retried = 0  # resends so far, for callers who count them
         self._module = _protocol_module(protocol, asynchronous=False)
         self._protocol = protocol
+        self._headers = _key_headers(protocol, inference_key)
         self._url = url
         self._model_name = model_name
         self._timeout_s = timeout_s
@@ -300,7 +317,7 @@ class Client:
         for attempt in range(self._retries + 1):
             try:
                 result = self._client.infer(self._model_name, inputs, outputs=outputs,
-                                            parameters=parameters, **kwargs)
+                                            parameters=parameters, headers=_copy(self._headers), **kwargs)
                 break
             except Exception as error:
                 if attempt < self._retries and _resend(error, self._module):
@@ -332,10 +349,19 @@ class Client:
         inputs, _ = _build_inputs(self._module, image, prompt)
         answers = queue.Queue()
         self._client.start_stream(callback=lambda result, error: answers.put((result, error)),
-                                  stream_timeout=self._timeout_s)
+                                  stream_timeout=self._timeout_s, headers=_copy(self._headers))
         try:
-            self._client.async_stream_infer(model_name, inputs, parameters=parameters,
-                                            enable_empty_final_response=True)
+            try:
+                self._client.async_stream_infer(model_name, inputs, parameters=parameters,
+                                                enable_empty_final_response=True)
+            except self._module.InferenceServerException as error:
+                # The stream failed before the request went (refused at its start,
+                # e.g. a missing inference key): the callback got the reason.
+                try:
+                    error = answers.get(timeout=1)[1] or error
+                except queue.Empty:
+                    pass
+                raise _request_error(error, self._module, self._timeout_s) from None
             while True:
                 result, error = answers.get(timeout=self._timeout_s)
                 if error is not None:
@@ -355,7 +381,7 @@ class Client:
         try:
             connection.request("POST", f"/v2/models/{model_name}/generate_stream",
                                body=_generate_body(image, prompt, parameters),
-                               headers={"Content-Type": "application/json"})
+                               headers={"Content-Type": "application/json", **(self._headers or {})})
             response = connection.getresponse()
             for raw in response:
                 outputs = _sse_outputs(raw.decode("utf-8").strip())
@@ -388,8 +414,9 @@ class AsyncClient:
     """
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5):
-        """`retries`: as for Client (no answer and UNAVAILABLE only, never a timeout)."""
+                 concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None):
+        """`retries`: as for Client (no answer and UNAVAILABLE only, never a timeout);
+        `inference_key` too."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         _check_retries(retries, retry_backoff_s)
@@ -397,6 +424,7 @@ class AsyncClient:
         self.retried = 0
         self._module = _protocol_module(protocol, asynchronous=True)
         self._protocol = protocol
+        self._headers = _key_headers(protocol, inference_key)
         self._url = url
         self._model_name = model_name
         self._timeout_s = timeout_s
@@ -416,8 +444,8 @@ class AsyncClient:
             started = time.perf_counter()
             for attempt in range(self._retries + 1):
                 try:
-                    result = await self._client.infer(
-                        self._model_name, inputs, outputs=outputs, parameters=parameters, **kwargs)
+                    result = await self._client.infer(self._model_name, inputs, outputs=outputs,
+                                                      parameters=parameters, headers=_copy(self._headers), **kwargs)
                     break
                 except Exception as error:
                     if attempt < self._retries and _resend(error, self._module):
@@ -489,7 +517,7 @@ class AsyncClient:
                    "enable_empty_final_response": True}
             await asyncio.Event().wait()  # keep the stream open until the answer is complete
 
-        stream = self._client.stream_infer(requests(), stream_timeout=self._timeout_s)
+        stream = self._client.stream_infer(requests(), stream_timeout=self._timeout_s, headers=_copy(self._headers))
         try:
             async for result, error in stream:
                 if error is not None:
@@ -508,7 +536,7 @@ class AsyncClient:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as session:
             async with session.post(f"http://{self._url}/v2/models/{model_name}/generate_stream",
                                     data=_generate_body(image, prompt, parameters),
-                                    headers={"Content-Type": "application/json"}) as response:
+                                    headers={"Content-Type": "application/json", **(self._headers or {})}) as response:
                 async for raw in response.content:
                     outputs = _sse_outputs(raw.decode("utf-8").strip())
                     if outputs is not None:

@@ -57,7 +57,8 @@ def create_app(settings):
 
 async def _start(app):
     settings = app[SETTINGS]
-    app[POOL] = TritonPool(settings.triton_grpc_url, settings.grpc_channels, settings.timeout_s)
+    app[POOL] = TritonPool(settings.triton_grpc_url, settings.grpc_channels, settings.timeout_s,
+                           inference_key=settings.triton_inference_key)
     app[FETCHER] = None
     if settings.image_url_allowlist:
         app[FETCHER] = fetch.session(settings.remote_fetch_timeout_s, settings.image_url_allow_private)

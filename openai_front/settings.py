@@ -3,6 +3,10 @@ __main__). Every name is documented in the README's OpenAI section.
 
   OPENAI_PORT=8003, OPENAI_ADDRESS (default LISTEN_ADDRESS, else 127.0.0.1)
   TRITON_GRPC_URL=127.0.0.1:8001       where Triton's gRPC endpoint is
+  TRITON_INFERENCE_KEY                 the key Triton's inference needs, when it
+                                       is restricted (the supervisor sets it from
+                                       its own TRITON_INFERENCE_KEY(_FILE)); sent
+                                       as `triton-grpc-protocol-inference-key`
   OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE   the key clients send as
                                        `Authorization: Bearer <key>`; without
                                        one the front is open (and says so)
@@ -52,6 +56,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8003
     triton_grpc_url: str = "127.0.0.1:8001"
+    triton_inference_key: str = dataclasses.field(default=None, repr=False)  # never printed
     api_key: str = dataclasses.field(default=None, repr=False)  # never printed
     api_key_source: str = ""
     image_url_allowlist: frozenset = frozenset()  # "host" (ports 80, 443) or "host:port"
@@ -151,6 +156,7 @@ def from_environ(environ=None, **overrides):
         host=environ.get("OPENAI_ADDRESS") or environ.get("LISTEN_ADDRESS") or "127.0.0.1",
         port=_int(environ, "OPENAI_PORT", 8003, 0),
         triton_grpc_url=environ.get("TRITON_GRPC_URL") or "127.0.0.1:8001",
+        triton_inference_key=environ.get("TRITON_INFERENCE_KEY", "").strip() or None,
         api_key=api_key,
         api_key_source=api_key_source,
         image_url_allowlist=_allowlist(environ),

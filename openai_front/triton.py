@@ -20,6 +20,9 @@ from . import error_contract as contract
 from .errors import FrontError, invalid, unavailable
 
 OUTPUTS = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")
+# serving/supervise_tritonserver.sh restricts inference with header `inference-key`;
+# over gRPC Triton 2.51 expects it with this prefix.
+INFERENCE_KEY_HEADER = "triton-grpc-protocol-inference-key"
 
 # Our backends' errors carry a code and the field at fault (error_contract.py,
 # shared with them); Triton's own errors are known by their texts (Triton 2.51's core):
@@ -170,6 +173,12 @@ def _call_cancelled():
     return unavailable("the call to the inference server was cancelled; retry later")
 
 
+def inference_metadata(key):
+    """The gRPC metadata of every inference call: the key's header where Triton
+    restricts inference (TRITON_INFERENCE_KEY), else none. Health stays open."""
+    return ((INFERENCE_KEY_HEADER, key),) if key else None
+
+
 class TritonPool:
     """Create inside the running event loop (gRPC aio channels belong to it).
 
@@ -177,9 +186,10 @@ class TritonPool:
     (build_request): tritonclient's own stream_infer builds the request inside
     gRPC's request iterator, where an error is swallowed and the call cancelled."""
 
-    def __init__(self, url, channels=2, timeout_s=60.0):
+    def __init__(self, url, channels=2, timeout_s=60.0, inference_key=None):
         self.url = url
         self.timeout_s = timeout_s
+        self._metadata = inference_metadata(inference_key)
         self._clients = [grpcclient.InferenceServerClient(url) for _ in range(channels)]
         self._next = itertools.cycle(self._clients)
 
@@ -199,7 +209,8 @@ class TritonPool:
     async def infer(self, model, image, prompt=None, parameters=None, request_id=""):
         request = build_request(model, image, prompt, parameters, request_id)
         try:
-            response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s)
+            response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s,
+                                                     metadata=self._metadata)
         except grpc.RpcError as error:
             raise front_error(error) from None
         except asyncio.CancelledError:
@@ -220,7 +231,7 @@ class TritonPool:
         async def one_request():
             yield request
 
-        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s)
+        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s, metadata=self._metadata)
         answer = Answer()
         try:
             async for response in call:

@@ -21,6 +21,9 @@
 #                         TRITON_ADMIN_KEY_GENERATED_FILE moves it). Inference, health,
 #                         metadata, config and statistics stay open. The restriction
 #                         itself is always on: serving/supervise_tritonserver.sh.
+#   TRITON_INFERENCE_KEY=... or TRITON_INFERENCE_KEY_FILE=<file>: off by default; with
+#                         one, inference too needs header `inference-key: <key>` (gRPC:
+#                         `triton-grpc-protocol-inference-key`); the front sends it.
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
 #                         see serving/supervise_tritonserver.sh and docs/reliability.md
 set -euo pipefail

@@ -17,8 +17,8 @@
 # so loading a model (with file overrides: Python code that would run next to
 # the LLM key), the repository index, shared-memory registration, log and trace
 # settings need header `admin-key: <key>` (gRPC: `triton-grpc-protocol-admin-key`).
-# Inference, health, metadata, model config and statistics stay open. The key,
-# first found wins:
+# Health, metadata, model config and statistics stay open; inference too unless
+# an inference key is given (below). The admin key, first found wins:
 #   TRITON_ADMIN_KEY_FILE       a file holding it (a mounted Kubernetes Secret);
 #                               a path that does not exist counts as unset (the
 #                               Secret is optional), an empty file is an error
@@ -33,6 +33,18 @@
 # Where that matters: run it in its own PID namespace (a container, or a pod
 # without hostPID / shareProcessNamespace: the manifests in deploy/ set neither),
 # or mount /proc with hidepid=2 on a shared host (docs/reliability.md).
+#
+# Inference (off by default, so `make run` on loopback stays simple): with a key in
+#   TRITON_INFERENCE_KEY_FILE   (first; a path that does not exist counts as unset)
+#   TRITON_INFERENCE_KEY
+# the server also gets
+#   --http-restricted-api=inference:inference-key=<key>   (and the gRPC twin)
+# so /v2/models/*/infer, generate, generate_stream and gRPC ModelInfer and
+# ModelStreamInfer need header `inference-key: <key>` (gRPC:
+# `triton-grpc-protocol-inference-key`); health and metadata (the probes) stay
+# open. The front gets the key in its environment (TRITON_INFERENCE_KEY) and sends
+# it; the server's own environment does not hold it. Same rules as the admin key:
+# an empty file or a key with spaces stops the start, the log never shows it.
 #
 # Ports and addresses come from the server's own --http-port/--grpc-port/
 # --metrics-port and --http-address/--grpc-address/--metrics-address (Triton's
@@ -130,21 +142,37 @@ stop() {
 # Set before anything starts: a TERM that comes early still stops what did start.
 trap stop INT TERM
 
-# -- the admin key ------------------------------------------------------------
-admin_key=""
-if [[ -n "${TRITON_ADMIN_KEY_FILE:-}" && -e "$TRITON_ADMIN_KEY_FILE" ]]; then
-  if ! admin_key="$(<"$TRITON_ADMIN_KEY_FILE")"; then
-    echo "serve: cannot read TRITON_ADMIN_KEY_FILE=$TRITON_ADMIN_KEY_FILE" >&2
-    exit 1
+# -- the keys ------------------------------------------------------------------
+# read_key NAME: the key from the file ${NAME}_FILE (when that path exists) or
+# the variable ${NAME}, into $key and where it came from into $key_source; both
+# empty when neither is given. An empty file stops the start.
+read_key() {
+  local name="$1" file_var="${1}_FILE"
+  local path="${!file_var:-}"
+  key="" key_source=""
+  if [[ -n "$path" && -e "$path" ]]; then
+    if ! key="$(<"$path")"; then
+      echo "serve: cannot read $file_var=$path" >&2
+      exit 1
+    fi
+    key="${key#"${key%%[![:space:]]*}"}"  # a trailing newline is not part of it
+    key="${key%"${key##*[![:space:]]}"}"
+    [[ -n "$key" ]] || { echo "serve: $file_var=$path is empty" >&2; exit 1; }
+    key_source="from $file_var ($path)"
+  elif [[ -n "${!name:-}" ]]; then
+    key="${!name}"
+    key_source="from $name"
   fi
-  admin_key="${admin_key#"${admin_key%%[![:space:]]*}"}"  # a trailing newline is not part of it
-  admin_key="${admin_key%"${admin_key##*[![:space:]]}"}"
-  [[ -n "$admin_key" ]] || { echo "serve: TRITON_ADMIN_KEY_FILE=$TRITON_ADMIN_KEY_FILE is empty" >&2; exit 1; }
-  key_source="from TRITON_ADMIN_KEY_FILE ($TRITON_ADMIN_KEY_FILE)"
-elif [[ -n "${TRITON_ADMIN_KEY:-}" ]]; then
-  admin_key="$TRITON_ADMIN_KEY"
-  key_source="from TRITON_ADMIN_KEY"
-else
+}
+# check_key WHAT: sent as an HTTP/gRPC header value: printable, no spaces.
+check_key() {
+  [[ "$key" =~ ^[[:graph:]]+$ ]] || { echo "serve: the $1 ($key_source) has spaces or control characters" >&2; exit 1; }
+  (( ${#key} >= 16 )) || echo "serve: WARNING: the $1 ($key_source) is shorter than 16 characters" >&2
+}
+
+read_key TRITON_ADMIN_KEY
+admin_key="$key"
+if [[ -z "$admin_key" ]]; then
   [[ -z "${TRITON_ADMIN_KEY_FILE:-}" ]] || \
     echo "serve: TRITON_ADMIN_KEY_FILE=$TRITON_ADMIN_KEY_FILE does not exist; generating a key" >&2
   key_file="${TRITON_ADMIN_KEY_GENERATED_FILE:-${TMPDIR:-/tmp}/triton-admin-key}"
@@ -159,17 +187,32 @@ else
          "to a writable path, or give a key (TRITON_ADMIN_KEY_FILE or TRITON_ADMIN_KEY)" >&2
     exit 1
   fi
-  key_source="generated, in $key_file (mode 0600)"
+  key="$admin_key" key_source="generated, in $key_file (mode 0600)"
 fi
-# Sent as an HTTP/gRPC header value: printable, no spaces.
-[[ "$admin_key" =~ ^[[:graph:]]+$ ]] || { echo "serve: the admin key ($key_source) has spaces or control characters" >&2; exit 1; }
-(( ${#admin_key} >= 16 )) || echo "serve: WARNING: the admin key ($key_source) is shorter than 16 characters" >&2
+check_key "admin key"
 unset TRITON_ADMIN_KEY
 restricted=model-repository,shared-memory,logging,trace
 set -- "$@" "--http-restricted-api=$restricted:admin-key=$admin_key" \
             "--grpc-restricted-protocol=$restricted:admin-key=$admin_key"
 echo "serve: the ${restricted//,/, } APIs need header 'admin-key' (gRPC:" \
      "'triton-grpc-protocol-admin-key'); the key is $key_source" >&2
+
+# A second group with its own header: a client that may infer is not an admin.
+read_key TRITON_INFERENCE_KEY
+inference_key="$key"
+unset TRITON_INFERENCE_KEY
+if [[ -n "$inference_key" ]]; then
+  check_key "inference key"
+  set -- "$@" "--http-restricted-api=inference:inference-key=$inference_key" \
+              "--grpc-restricted-protocol=inference:inference-key=$inference_key"
+  echo "serve: inference needs header 'inference-key' (gRPC: 'triton-grpc-protocol-inference-key');" \
+       "the key is $key_source" >&2
+else
+  [[ -z "${TRITON_INFERENCE_KEY_FILE:-}" ]] || \
+    echo "serve: TRITON_INFERENCE_KEY_FILE=$TRITON_INFERENCE_KEY_FILE does not exist (the Secret is optional)" >&2
+  echo "serve: inference is open to whoever reaches the HTTP and gRPC ports (TRITON_INFERENCE_KEY_FILE" \
+       "or TRITON_INFERENCE_KEY restricts it)" >&2
+fi
 
 # Where the supervisor tells the streaming models that the server is stopping.
 export TRITON_STOPPING_FILE="${TMPDIR:-/tmp}/triton-stopping.$$"
@@ -193,7 +236,7 @@ if [[ "${OPENAI_FRONT:-1}" != "0" ]]; then
     *:*) grpc_host="[$grpc_address]" ;;
     *) grpc_host="$grpc_address" ;;
   esac
-  PYTHONPATH="$(dirname "$here")" python3 -m openai_front --host "$http_address" --port "${OPENAI_PORT:-8003}" \
+  TRITON_INFERENCE_KEY="$inference_key" PYTHONPATH="$(dirname "$here")" python3 -m openai_front --host "$http_address" --port "${OPENAI_PORT:-8003}" \
     --triton-grpc-url "$grpc_host:$grpc_port" &
   front_pid=$!
   where="$where  OpenAI http://$http_address:${OPENAI_PORT:-8003}/v1"

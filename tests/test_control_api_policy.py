@@ -119,24 +119,36 @@ class Run:
         assert len(values) == 1, f"expected one {name}=... in {self.argv}"
         return values[0]
 
-    def restricted_key(self):
+    def groups(self, name):
+        """{frozenset of APIs: (header, key)} of every `name=<apis>:<header>=<key>`."""
+        groups = {}
+        for value in (a.split("=", 1)[1] for a in self.argv if a.startswith(f"{name}=")):
+            apis, _, setting = value.partition(":")
+            header, _, key = setting.partition("=")
+            groups[frozenset(apis.split(","))] = (header, key)
+        return groups
+
+    def restricted_key(self, inference_key=None):
         """The key the server was told to require, after checking that both
-        protocols restrict exactly the control APIs with header admin-key."""
+        protocols restrict exactly the control APIs with header admin-key, and
+        inference with header inference-key when (only when) one was given."""
         keys = set()
         for name in RESTRICT_FLAGS:
-            apis, _, setting = self.flag(name).partition(":")
-            header, _, key = setting.partition("=")
-            assert set(apis.split(",")) == RESTRICTED, f"{name} restricts {apis}; expected {sorted(RESTRICTED)}"
-            assert not set(apis.split(",")) & OPEN
+            groups = self.groups(name)
+            expected = {frozenset(RESTRICTED)} | ({frozenset({"inference"})} if inference_key else set())
+            assert set(groups) == expected, f"{name} restricts {groups}; expected {expected}"
+            header, key = groups[frozenset(RESTRICTED)]
             assert header == "admin-key" and key, f"{name} has no admin-key=<key>"
             keys.add(key)
+            if inference_key:
+                assert groups[frozenset({"inference"})] == ("inference-key", inference_key), name
         assert len(keys) == 1, "HTTP and gRPC are restricted with different keys"
         return keys.pop()
 
-    def check_key_handling(self, key):
+    def check_key_handling(self, key, inference_key=None):
         """The key reaches the server (arguments) and the watchdog (environment),
         nothing else: not the server's environment, not the printed output."""
-        assert self.restricted_key() == key
+        assert self.restricted_key(inference_key) == key
         assert self.watchdog_env.get("TRITON_ADMIN_KEY") == key, "the watchdog could not reload a model"
         assert "TRITON_ADMIN_KEY" not in self.env, "the key belongs in the server's arguments, not its environment"
         assert key not in "".join(self.env.values())
@@ -221,6 +233,54 @@ def test_a_key_file_is_honoured_and_wins_over_the_variable(tmp_path, stand_in):
     run.check_key_handling("adm-from-file-0123456789abcdef")
     assert "adm-from-env" not in run.output + "".join(run.env.values())
     assert not (tmp_path / "triton-admin-key").exists(), "nothing is generated when a key is given"
+
+
+# -- inference: open by default, closed by TRITON_INFERENCE_KEY(_FILE) ---------------
+
+INFERENCE_KEY = "inf-from-env-0123456789abcdef"
+
+
+def check_inference_key_handling(run, key):
+    run.check_key_handling(run.restricted_key(inference_key=key), inference_key=key)
+    assert "TRITON_INFERENCE_KEY" not in run.env, "the key belongs in the server's arguments, not its environment"
+    assert key not in "".join(run.env.values()) and key not in run.output
+    assert "inference needs header 'inference-key'" in run.output
+
+
+def test_inference_is_open_without_an_inference_key(tmp_path, stand_in):
+    run = supervised(dockerfile_cmd(), {"TRITON_ADMIN_KEY": "adm-from-env-0123456789abcdef"}, tmp_path, stand_in)
+    run.restricted_key(inference_key=None)  # the control APIs only
+    assert "inference is open" in run.output
+
+
+def test_an_inference_key_from_the_environment_restricts_inference(tmp_path, stand_in):
+    run = supervised(dockerfile_cmd(), {"TRITON_ADMIN_KEY": "adm-from-env-0123456789abcdef",
+                                        "TRITON_INFERENCE_KEY": INFERENCE_KEY}, tmp_path, stand_in)
+    check_inference_key_handling(run, INFERENCE_KEY)
+    assert "TRITON_INFERENCE_KEY" not in run.watchdog_env, "the watchdog never infers"
+
+
+def test_an_inference_key_file_wins_and_a_missing_one_counts_as_unset(tmp_path, stand_in):
+    key_file = tmp_path / "inference-key"
+    key_file.write_text("inf-from-file-0123456789abcdef\n")
+    run = supervised(dockerfile_cmd(), {"TRITON_INFERENCE_KEY_FILE": str(key_file),
+                                        "TRITON_INFERENCE_KEY": INFERENCE_KEY}, tmp_path, stand_in)
+    check_inference_key_handling(run, "inf-from-file-0123456789abcdef")
+    assert INFERENCE_KEY not in run.output + "".join(run.env.values())
+    (tmp_path / "received.json").unlink()
+    run = supervised(dockerfile_cmd(), {"TRITON_INFERENCE_KEY_FILE": str(tmp_path / "absent")}, tmp_path, stand_in)
+    run.restricted_key(inference_key=None)
+    assert f"TRITON_INFERENCE_KEY_FILE={tmp_path / 'absent'} does not exist" in run.output
+    assert "inference is open" in run.output
+
+
+@pytest.mark.parametrize("content, message", [("\n", "is empty"), ("two words\n", "spaces or control characters")],
+                         ids=["empty", "spaces"])
+def test_an_unusable_inference_key_file_stops_the_start(tmp_path, stand_in, content, message):
+    key_file = tmp_path / "inference-key"
+    key_file.write_text(content)
+    status, stderr = refused_start(tmp_path, stand_in, {"TRITON_INFERENCE_KEY_FILE": str(key_file)})
+    assert status == 1 and message in stderr
 
 
 def test_a_key_from_the_environment_is_used_and_kept_from_the_server(tmp_path, stand_in):

@@ -212,6 +212,7 @@ def test_kserve_resources_are_well_formed():
     # The admin key is the server's, so the runtime itself carries it (not every
     # InferenceService that uses the runtime has to remember it).
     assert "TRITON_ADMIN_KEY_FILE" in {e["name"] for e in runtime["spec"]["containers"][0]["env"]}
+    check_inference_key_is_an_optional_secret_file(container, pod["spec"])
 
 
 def test_servicemonitor_and_adapter_rule_match_the_deployment():
@@ -559,3 +560,64 @@ def test_cpu_slots_of_the_rate_limiter_match_the_cpu_request():
     assert not any(a.startswith("--rate-limit") for a in gpu["args"])
     runtime = by_kind(load_docs(DEPLOY / "kserve/servingruntime.yaml"), "ServingRuntime")["spec"]["containers"][0]
     assert flag(runtime["args"], "rate-limit-resource") == f"cpu:{int(runtime['resources']['requests']['cpu'])}"
+
+
+# -- inference key and NetworkPolicy ---------------------------------------------
+
+INFERENCE_KEY_SECRET = "classify-describe-inference-key"
+NETWORK_POLICY = DEPLOY / "network/networkpolicy.yaml"
+
+
+def check_inference_key_is_an_optional_secret_file(container, spec):
+    """TRITON_INFERENCE_KEY_FILE names the file of an optional Secret: without
+    it the pod starts with inference open (the supervisor's default), with it
+    inference needs the key (tests/integration/test_inference_key.py)."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert "TRITON_INFERENCE_KEY" not in env
+    key_path = pathlib.PurePosixPath(env["TRITON_INFERENCE_KEY_FILE"]["value"])
+    volume, mount = secret_file_mounts(container, spec).get(key_path, ({}, {}))
+    assert mount.get("readOnly") and volume["secret"]["secretName"] == INFERENCE_KEY_SECRET
+    assert volume["secret"].get("optional") is True
+    example = load_docs(DEPLOY / "base/inference-key.secret.example.yaml")[0]
+    assert example["metadata"]["name"] == INFERENCE_KEY_SECRET
+    assert {i["key"] for i in volume["secret"]["items"]} <= example["stringData"].keys()
+
+
+def test_inference_key_from_an_optional_secret_file(overlay):
+    _, docs = overlay
+    check_inference_key_is_an_optional_secret_file(server_container(docs), pod_spec(by_kind(docs, "Deployment")))
+
+
+def allowed_ports(policy, container):
+    """{container port number: [the `from` peers of each rule that opens it]}
+    ([] for a rule without `from`: anyone)."""
+    numbers = {p["name"]: p["containerPort"] for p in container["ports"]}
+    allowed = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            number = numbers[port["port"]] if isinstance(port["port"], str) else port["port"]
+            allowed.setdefault(number, []).append(rule.get("from", []))
+    return allowed
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_the_network_policy_opens_the_front_to_all_metrics_to_monitoring_and_triton_to_the_namespace(k8s_version):
+    (policy,) = load_docs(NETWORK_POLICY)
+    kubernetes_validate.validate(policy, k8s_version, strict=True)
+    docs = render(DEPLOY / "overlays/cpu")
+    deployment = by_kind(docs, "Deployment")
+    container = server_container(docs)
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items(), "the policy selects no pod of ours"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    allowed = allowed_ports(policy, container)
+    # Every named port exists on the container (a typo would open nothing and close everything).
+    named = [p["port"] for r in policy["spec"]["ingress"] for p in r["ports"] if isinstance(p["port"], str)]
+    assert set(named) <= {p["name"] for p in container["ports"]}
+    assert set(allowed) == {8000, 8001, 8002, 8003}
+    assert allowed[8003] == [[]], "the front is for clients anywhere (it has its own key)"
+    (metrics_from,) = allowed[8002]
+    assert metrics_from == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    for port in (8000, 8001):  # pods of this namespace only: a podSelector alone, no namespace, no ipBlock
+        (peers,) = allowed[port]
+        assert peers and all(set(peer) == {"podSelector"} for peer in peers), (port, peers)
