@@ -68,7 +68,7 @@ pid {dir}/nginx.pid;
 error_log {dir}/nginx-error.log warn;
 events {{ worker_connections 8192; }}
 http {{
-    log_format shed '$msec $status $request_time $request_length';
+    log_format shed '$msec $status $request_time $request_length $upstream_status';
     access_log {dir}/nginx-access.log shed;
     client_body_temp_path {dir}/tmp/body;
     proxy_temp_path {dir}/tmp/proxy;
@@ -120,6 +120,18 @@ class ShedProxy:
 
     def stop(self):
         stop_process(self.process, grace_s=10)
+
+    def tally(self, since=None):
+        """Answers in the access log after `since` (an earlier tally): by status,
+        and "shed" for nginx's own 503s (no upstream status: Triton never saw them)."""
+        lines = (self.workdir / "nginx-access.log").read_text().splitlines()
+        counts = {"lines": len(lines)}
+        for line in lines[since["lines"] if since else 0:]:
+            fields = line.split()
+            if len(fields) >= 5:
+                key = "shed" if fields[1] == "503" and fields[4] == "-" else fields[1]
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def __enter__(self):
         return self.start()

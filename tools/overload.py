@@ -219,7 +219,7 @@ def openai_sdk(base_url, image, args):
     """The openai SDK against the front: its own retries, which honour Retry-After."""
     import base64
 
-    import httpx
+    import httpx2
     import openai
 
     data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
@@ -231,7 +231,7 @@ def openai_sdk(base_url, image, args):
             refused[0] += response.status_code == 503
 
         http_client = openai.DefaultAsyncHttpxClient(
-            limits=httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8),
+            limits=httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8),
             event_hooks={"response": [count]})
         client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", http_client=http_client,
                                     max_retries=args.client_retries, timeout=args.timeout_s)
@@ -289,10 +289,25 @@ KINDS = {
 class Stack:
     """Where each kind's requests go: the server's ports, the shedding proxy's."""
 
-    def __init__(self, grpc_url, http_url, openai_base_url, proxy_url, binary, image_path):
+    def __init__(self, grpc_url, http_url, openai_base_url, proxy, binary, image_path):
         self.grpc_url, self.http_url, self.openai_base_url = grpc_url, http_url, openai_base_url
-        self.proxy_url, self.binary, self.image_path = proxy_url, binary, image_path
+        self.proxy, self.proxy_url, self.binary, self.image_path = proxy, proxy.url, binary, image_path
         self.image = pathlib.Path(image_path).read_bytes()
+
+    metrics_url = None  # Triton's metrics endpoint, when we started the server
+
+    def settle(self, args, bound_s=60):
+        """Before a phase: let the last one's backlog drain (the Python kinds
+        cancel their requests at the window's end, Triton may still run them):
+        until no request is pending in Triton (its metrics), then one LLM
+        latency more for the calls in flight; a fixed 5 s without metrics."""
+        if self.metrics_url is None:
+            time.sleep(5)
+            return
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline and pending_requests(self.metrics_url) > 0:
+            time.sleep(0.5)
+        time.sleep(args.llm_latency_ms / 1000 + 0.5)
 
     def drive(self, kind, args):
         """drive(users, seconds) -> a phase's figures, for one client kind."""
@@ -311,6 +326,16 @@ class Stack:
             "client-http-proxy": lambda: py(project_client(self.proxy_url, "http", self.image, args)),
             "openai-front": lambda: py(openai_sdk(self.openai_base_url, self.image, args)),
         }[kind]()
+
+
+def pending_requests(metrics_url):
+    """Requests queued in Triton, all models (nv_inference_pending_request_count)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nv_inference_pending_request_count{"))
 
 
 def legacy_driver(args, grpc_url, image_path):
@@ -335,8 +360,12 @@ def run(stack, args):
     for factor in args.factors:
         for kind in args.kinds:
             log(f"{kind} at {factor}x ({users * factor} users)")
+            stack.settle(args)
+            seen = stack.proxy.tally()
             figures = stack.drive(kind, args)(users * factor, args.phase_s)
             figures.update(kind=kind, factor=factor, **KINDS[kind])
+            if "proxy" in kind:
+                figures["proxy_answers"] = stack.proxy.tally(since=seen)
             figures["goodput_share"] = round(figures["admitted_per_s"] / saturation["admitted_per_s"], 2) \
                 if saturation["admitted_per_s"] else None
             log(f"  {figures['admitted_per_s']} answered/s ({figures['goodput_share']} of saturation), "
@@ -456,11 +485,12 @@ def judge_legacy(saturation, overload, args):
     return problems
 
 
-def measure(args, grpc_url, http_url, openai_url, image_path, workdir):
+def measure(args, grpc_url, http_url, openai_url, image_path, workdir, metrics_url=None):
     if args.load_generator == "python":
         return run_legacy(legacy_driver(args, grpc_url, image_path), args)
     with ShedProxy(pathlib.Path(workdir) / "nginx", http_url, args.proxy_max_in_flight) as proxy:
-        stack = Stack(grpc_url, http_url, openai_url, proxy.url, compile_c_client(workdir), image_path)
+        stack = Stack(grpc_url, http_url, openai_url, proxy, compile_c_client(workdir), image_path)
+        stack.metrics_url = metrics_url
         return run(stack, args)
 
 
@@ -469,7 +499,8 @@ def on_own_server(args, image_path, workdir):
     server = TritonServer(workdir, {"LLM_BASE_URL": llm.base_url, "LLM_API_KEY": "sk-overload"})
     try:
         server.start()
-        results = measure(args, server.grpc_url, server.http_url, server.openai_base_url, image_path, workdir)
+        results = measure(args, server.grpc_url, server.http_url, server.openai_base_url, image_path, workdir,
+                          server.metrics_url)
         results["server_ready_after"] = server.is_ready()
         if not results["server_ready_after"]:
             results["verdict"].append("server not ready after the run")
