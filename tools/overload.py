@@ -461,6 +461,10 @@ def parse_args(argv):
     unknown = set(args.kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown --kinds {', '.join(sorted(unknown))}")
+    if args.grpc_url and not args.http_url:
+        parser.error("--grpc-url needs --http-url (the C users and the proxy speak HTTP)")
+    if args.grpc_url and "openai-front" in args.kinds and not args.openai_url:
+        parser.error("--kinds openai-front on a running server needs --openai-url")
     return args
 
 
