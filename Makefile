@@ -56,7 +56,7 @@ help:
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
-	@echo "make overload       10x the saturating load: fast refusals, bounded latency, nothing lost"
+	@echo "make overload       goodput per client kind at 20x the saturating load; nothing lost"
 	@echo "make int8-cpus      the int8 graph under emulated AVX2-only CPUs (no VNNI) vs this one (~10 min; installs qemu-user)"
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
@@ -196,12 +196,14 @@ bench-stream: build perf-analyzer
 soak: build
 	$(PY) -m tools.soak $(SOAK_ARGS)
 
-# Overload (docs/reliability.md#overload): fake LLM (1 s) + one server on loopback
-# free ports; a sweep finds the saturating number of users, then 10x as many with
-# client-style back-off (the load generator: tools/overload_client.c, built with
-# cc); fails unless the excess is refused fast, admitted latency stays bounded
-# and nothing is lost.
-#   make overload OVERLOAD_ARGS="--phase-s 60 --saturation 128"
+# Overload (docs/reliability.md#overload): fake LLM (1 s) + one server with its
+# OpenAI front + the shedding proxy of deploy/nginx, on loopback free ports; a
+# sweep finds the saturating number of users, then goodput (answered/s) per client
+# kind at 20x as many: C users resending at once (bare, through the proxy), C
+# users backing off, classify_describe (gRPC, HTTP through the proxy), the openai
+# SDK through the front. About 8 minutes; fails below the goodput targets or if
+# anything is lost.
+#   make overload OVERLOAD_ARGS="--saturation 64 --factors 4,20 --phase-s 60"
 .PHONY: overload
 overload: build
 	$(PY) -m tools.overload --results $(BUILD)/overload/results.json $(OVERLOAD_ARGS)

@@ -108,10 +108,21 @@ def _request_error(error, module, timeout_s):
     return request_error
 
 
-def backoff_s(base_s, attempt):
-    # Exponential with full jitter, capped: clients that lost the same server do
-    # not all come back in the same instant.
-    return random.uniform(0, min(5.0, base_s * (2 ** attempt)))
+BACKOFF_CAP_S = 5.0
+RETRY_AFTER_CAP_S = 30.0  # a server's Retry-After is honoured up to this
+
+
+def backoff_s(base_s, attempt, retry_after_s=None):
+    """Seconds to wait before resending after failed attempt number `attempt`
+    (0 for the first): uniform in [0, min(BACKOFF_CAP_S, base_s * 2**attempt)]
+    (exponential with full jitter, so clients refused or cut off together do
+    not all come back in the same instant), and never less than the server's
+    `Retry-After` when it sent one (itself capped at RETRY_AFTER_CAP_S)."""
+    ceiling = min(BACKOFF_CAP_S, base_s * 2.0 ** min(attempt, 32))  # 2**32: far past the cap, never overflows
+    wait = random.uniform(0, ceiling)
+    if retry_after_s is not None:
+        wait = max(wait, min(float(retry_after_s), RETRY_AFTER_CAP_S))
+    return wait
 
 
 def _check_retries(retries, retry_backoff_s):

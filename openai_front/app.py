@@ -13,12 +13,14 @@ from aiohttp import web
 from . import access_log, chat, fetch, request_id, responses
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
+from .shedding import Admission
 from .triton import TritonPool, request_parameters
 
 log = logging.getLogger("openai_front")
 OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # no key needed: probes and Prometheus
 SETTINGS, POOL, METRICS, FETCHER, BODIES, FETCHES, STREAMS = (
     web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher", "bodies", "fetches", "streams"))
+ADMISSION = web.AppKey("admission", Admission)
 # Bodies larger than this are parsed and decoded in a worker thread: a 20 MB
 # image takes tens of ms, during which the loop would stall every open stream.
 OFFLOAD_BYTES = 256 * 1024
@@ -35,8 +37,12 @@ def max_body_bytes(settings):
 
 def create_app(settings):
     # The access log outermost: it sees every answer, the error answers the next one makes included.
-    middlewares = ([access_log.middleware] if settings.access_log else []) + [_errors_and_auth]
+    # Shedding after auth (its 503 in OpenAI's format) and before any handler reads a body.
+    admission = Admission(settings.max_requests_in_flight)
+    middlewares = ([access_log.middleware] if settings.access_log else []) + [_errors_and_auth,
+                                                                               admission.middleware]
     app = web.Application(client_max_size=max_body_bytes(settings), middlewares=middlewares)
+    app[ADMISSION] = admission
     app[SETTINGS] = settings
     app[BODIES] = InFlight(settings.max_bodies_in_flight, "request bodies", "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT")
     app[FETCHES] = InFlight(settings.max_fetches_in_flight, "image URLs", "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT")

@@ -19,6 +19,9 @@ __main__). Every name is documented in the README's OpenAI section.
                                        then reaches internal services); for tests
   OPENAI_FRONT_MAX_BODIES_IN_FLIGHT=16  request bodies read and decoded at
                                        once; more are refused (503, Retry-After)
+  OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=128  chat requests at once, each to its answer
+                                       or its stream's end; more are refused (503,
+                                       Retry-After) before their body is read
   OPENAI_FRONT_BODY_TIMEOUT_S=10      a request body must arrive within this
                                        (408 and the connection closed after it), so
                                        slow or stalled senders cannot hold the body slots
@@ -62,6 +65,8 @@ class Settings:
     image_url_allowlist: frozenset = frozenset()  # "host" (ports 80, 443) or "host:port"
     image_url_allow_private: bool = False        # dangerous: for tests on loopback only
     max_bodies_in_flight: int = 16
+    # Chat requests at once, whole; 128 = the queue Triton's preprocess holds (shedding.py).
+    max_requests_in_flight: int = 128
     max_image_bytes: int = 20 * 1024 * 1024
     body_timeout_s: float = 10.0
     max_fetches_in_flight: int = 8
@@ -162,6 +167,7 @@ def from_environ(environ=None, **overrides):
         image_url_allowlist=_allowlist(environ),
         image_url_allow_private=_bool(environ, "OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE", False),
         max_bodies_in_flight=_int(environ, "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT", 16, 1),
+        max_requests_in_flight=_int(environ, "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT", 128, 1),
         max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
         body_timeout_s=_float(environ, "OPENAI_FRONT_BODY_TIMEOUT_S", 10.0),
         max_fetches_in_flight=_int(environ, "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT", 8, 1),

@@ -1,25 +1,33 @@
-"""Bounded overload run (`make overload`; docs/reliability.md#overload).
+"""Goodput under overload (`make overload`; docs/reliability.md#overload).
 
-First finds the saturating concurrency: the fewest virtual users (8, 16, 32,
-...) whose throughput is within 5 % of the best seen (`--saturation N` skips
-the sweep). Then keeps that many users sending classify_and_describe requests
-over gRPC for `--phase-s` seconds, then `--factor` times as many. Each user waits
-for its answer; on UNAVAILABLE (a queue policy refused it) it backs off the
-way classify_describe's clients do (exponential with full jitter) and sends
-again. Per attempt it records: admitted (answered) latency, rejection latency,
-or lost (any other error, or no answer within `--timeout-s`).
+One run: the fake LLM (1 s), one tritonserver with its OpenAI front, and the
+shedding proxy shipped in deploy/nginx in front of its HTTP port. First the
+saturating concurrency: the fewest users (16, 32, ...) within 5 % of the best
+throughput (`--saturation N` skips the sweep), measured with C users that
+back off. Then, for `--phase-s` each, every client kind (KINDS, `--kinds`) at
+each overload factor (`--factors`, default 20x the saturating users):
 
-Verdict (exit 1 if any fails): at overload, the admitted p99 is at most
-`--max-p99-ratio` x the p99 at saturation, rejections are answered within
-`--max-reject-ms` (p99), and nothing is lost.
+  resend-bare        C users that resend a refusal at once, to Triton's HTTP port
+  resend-proxy       the same, through the shedding proxy
+  backoff-bare       C users with the clients' back-off (full jitter, Retry-After)
+  client-grpc        classify_describe.AsyncClient(retries=), gRPC to Triton
+  client-http-proxy  classify_describe.AsyncClient(retries=), HTTP through the proxy
+  openai-front       the openai SDK (its own retries honour Retry-After) to the front
 
-The load generator (`--load-generator`): `c` (default) is
-tools/overload_client.c, compiled here with `cc -O2`: one epoll thread, one
-keep-alive HTTP/1.1 connection per user to /v2/models/<ensemble>/infer, the
-refusal being HTTP 503 with the same message; it costs the shared cores little,
-so the refusal latency it sees is the server's. `python` is the earlier
-generator: tritonclient.grpc.aio, all users in this process; at 1,280 users it
-was the bottleneck (its refusal latency was mostly its own queue).
+Per kind and factor: answered per second within the phase and its share of
+saturation's (goodput), answer latency, refusals, lost (any other error, or
+no answer within `--timeout-s`), and the load generator's CPU. The C users
+(tools/overload_client.c, compiled here with `cc -O2`; one epoll thread, one
+keep-alive connection per user) report per attempt; the Python clients' users
+report per request, retries included, and are cancelled at the phase's end
+(neither answered nor lost). Between phases Triton's backlog drains.
+
+Verdict (exit 1 if any fails; the targets of issue 23): at the top factor,
+goodput at least 0.8 of saturation for the kinds that follow the documented
+policy and 0.6 for resend-proxy (resend-bare is the baseline, not judged);
+admitted p99 of the C kinds within `--max-p99-ratio` x saturation's; nothing
+lost. `--load-generator python` keeps the earlier single tritonclient gRPC
+run (saturation and `--factor` x; tests/integration/test_overload.py).
 
 Without --grpc-url it starts, on loopback and free ports, the fake LLM
 upstream and one tritonserver (tools/local_stack.py) and stops both by PID.
@@ -43,6 +51,7 @@ import numpy as np
 from classify_describe.client import backoff_s  # the clients' own back-off
 from tools import host
 from tools.local_stack import FakeLLM, TritonServer
+from tools.nginx import ShedProxy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 C_SOURCE = REPO / "tools/overload_client.c"
@@ -104,17 +113,23 @@ def summary(users, seconds, admitted, rejected, lost):
             "rejected_p50_ms": percentile_ms(rejected, 50), "rejected_p99_ms": percentile_ms(rejected, 99)}
 
 
-def parse_attempts(lines):
-    """tools/overload_client.c's lines ("ok|refused|lost:<why> <microseconds>")
-    -> (admitted, rejected latencies in s, lost reasons)."""
+def parse_attempts(lines, window_s=None):
+    """tools/overload_client.c's lines ("ok|refused|lost:<why> <latency us> [<end us>]")
+    -> (admitted, rejected latencies in s, lost reasons). With `window_s`, only
+    the answers and refusals that ended within the phase's window count (the
+    drain after it is not the load's); every loss counts."""
     admitted, rejected, lost = [], [], []
     for line in lines:
-        outcome, _, micros = line.strip().partition(" ")
-        if outcome == "ok":
-            admitted.append(int(micros) / 1e6)
-        elif outcome == "refused":
-            rejected.append(int(micros) / 1e6)
-        elif outcome:
+        fields = line.split()
+        if not fields:
+            continue
+        outcome, latency = fields[0], int(fields[1]) / 1e6
+        in_window = window_s is None or len(fields) < 3 or int(fields[2]) / 1e6 <= window_s
+        if outcome == "ok" and in_window:
+            admitted.append(latency)
+        elif outcome == "refused" and in_window:
+            rejected.append(latency)
+        elif outcome.startswith("lost"):
             lost.append(outcome)
     return admitted, rejected, lost
 
@@ -129,18 +144,116 @@ def compile_c_client(workdir):
 
 
 def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s):
-    """One phase driven by tools/overload_client.c (HTTP); the same figures as python_phase."""
+    """One phase driven by tools/overload_client.c (HTTP); the same figures as
+    python_phase, rates over the phase's `seconds` (answers that end in the
+    drain after it are left out). backoff_base_s 0: users resend at once."""
     host_name, port = http_url.rsplit(":", 1)
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
         started, cpu_before = time.monotonic(), children_cpu_s()
         subprocess.run([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
                         str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path), out.name],
                        check=True, timeout=seconds + timeout_s + 60)
-        elapsed = round(time.monotonic() - started, 1)
-        figures = summary(users, elapsed, *parse_attempts(out))
+        elapsed = time.monotonic() - started
+        figures = summary(users, seconds, *parse_attempts(out, window_s=seconds))
     # What the load generator cost the shared cores (1.0 = one core all the time).
     figures["load_generator_cpu_share"] = round((children_cpu_s() - cpu_before) / elapsed, 3)
     return figures
+
+
+async def users_phase(request, users, seconds):
+    """Closed-loop users of a Python client: each sends `request(number)` (which
+    retries as that client does), waits for it and sends the next, for
+    `seconds`; then every unfinished request is cancelled (neither answered
+    nor lost). -> (answer latencies, lost reasons), only what ended in time."""
+    answered, lost = [], []
+    numbers = itertools.count()
+
+    async def user():
+        while True:
+            started = time.monotonic()
+            try:
+                await request(next(numbers))
+                answered.append(time.monotonic() - started)
+            except Exception as error:  # noqa: BLE001 - whatever it is, the request is lost
+                lost.append(f"{type(error).__name__}: {str(error)[:160]}")
+
+    tasks = [asyncio.ensure_future(user()) for _ in range(users)]
+    await asyncio.sleep(seconds)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return answered, lost
+
+
+def python_kind_phase(make_request, users, seconds):
+    """users_phase in a new event loop; `make_request()` -> (request, refusals
+    counter, close). Figures as c_phase's; latencies include the retries."""
+    async def main():
+        request, refusals, close = make_request(users)
+        try:
+            answered, lost = await users_phase(request, users, seconds)
+        finally:
+            await close()
+        return answered, lost, refusals()
+
+    cpu_before = time.process_time()
+    answered, lost, refused = asyncio.run(main())
+    figures = summary(users, seconds, answered, [], lost)
+    figures["rejected"] = refused  # resends seen by the client; their latency is inside the answers'
+    figures["load_generator_cpu_share"] = round((time.process_time() - cpu_before) / seconds, 3)
+    return figures
+
+
+def project_client(url, protocol, image, args):
+    """classify_describe.AsyncClient with its documented policy: retries with
+    back-off and full jitter (README "Overload")."""
+    from classify_describe import AsyncClient
+
+    def make(users):
+        client = AsyncClient(url, protocol, concurrency=users, timeout_s=args.timeout_s,
+                             retries=args.client_retries, retry_backoff_s=args.backoff_s)
+        tag = f"{random.getrandbits(32):08x}"
+
+        async def request(number):
+            await client.infer(image, prompt=f"What is it? ({tag}-{number})")
+
+        async def close():
+            await client.close()
+        return request, (lambda: client.retried), close
+    return make
+
+
+def openai_sdk(base_url, image, args):
+    """The openai SDK against the front: its own retries, which honour Retry-After."""
+    import base64
+
+    import httpx2
+    import openai
+
+    data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
+
+    def make(users):
+        refused = [0]
+
+        async def count(response):
+            refused[0] += response.status_code == 503
+
+        http_client = openai.DefaultAsyncHttpxClient(
+            limits=httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8),
+            event_hooks={"response": [count]})
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", http_client=http_client,
+                                    max_retries=args.client_retries, timeout=args.timeout_s)
+        tag = f"{random.getrandbits(32):08x}"
+
+        async def request(number):
+            await client.chat.completions.create(model=ENSEMBLE, messages=[{"role": "user", "content": [
+                {"type": "text", "text": f"What is it? ({tag}-{number})"},
+                {"type": "image_url", "image_url": {"url": data_uri}}]}])
+
+        async def close():
+            await client.close()
+        return request, (lambda: refused[0]), close
+    return make
 
 
 def children_cpu_s():
@@ -167,18 +280,195 @@ def saturating_users(drive, args):
     return next(r["users"] for r in sweep if r["admitted_per_s"] >= 0.95 * best), sweep
 
 
-def driver(args, grpc_url, http_url, image_path, workdir):
-    """drive(users, seconds) -> a phase's figures, with the chosen load generator."""
-    if args.load_generator == "python":
-        image = pathlib.Path(image_path).read_bytes()
-        return lambda users, seconds: asyncio.run(
-            python_phase(grpc_url, image, users, seconds, args.timeout_s, args.backoff_s))
-    binary = compile_c_client(workdir)
-    return lambda users, seconds: c_phase(binary, http_url, image_path, users, seconds,
-                                          args.timeout_s, args.backoff_s)
+# Client kinds (--kinds): what sends, along which path, with which policy.
+#   judged: the least goodput (share of saturation's) required at the top factor.
+KINDS = {
+    "resend-bare": dict(path="Triton HTTP", client="C generator, resends at once", judged=None),
+    "resend-proxy": dict(path="nginx shed proxy -> Triton HTTP", client="C generator, resends at once",
+                         judged=0.6),
+    "backoff-bare": dict(path="Triton HTTP", client="C generator, back-off + jitter + Retry-After", judged=0.8),
+    "client-grpc": dict(path="Triton gRPC", client="classify_describe.AsyncClient(retries=)", judged=0.8),
+    "client-http-proxy": dict(path="nginx shed proxy -> Triton HTTP",
+                              client="classify_describe.AsyncClient(retries=)", judged=0.8),
+    "openai-front": dict(path="OpenAI front -> Triton gRPC", client="openai SDK (max_retries=)", judged=0.8),
+}
 
 
-def run(drive, args):
+class Stack:
+    """Where each kind's requests go: the server's ports, the shedding proxy's."""
+
+    def __init__(self, grpc_url, http_url, openai_base_url, proxy, binary, image_path):
+        self.grpc_url, self.http_url, self.openai_base_url = grpc_url, http_url, openai_base_url
+        self.proxy, self.proxy_url, self.binary, self.image_path = proxy, proxy.url, binary, image_path
+        self.image = pathlib.Path(image_path).read_bytes()
+
+    metrics_url = None  # Triton's metrics endpoint, when we started the server
+
+    def settle(self, args, bound_s=60):
+        """Before a phase: let the last one's backlog drain (the Python kinds
+        cancel their requests at the window's end, Triton may still run them):
+        until no request is pending in Triton (its metrics), then one LLM
+        latency more for the calls in flight; a fixed 5 s without metrics."""
+        if self.metrics_url is None:
+            time.sleep(5)
+            return
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline and pending_requests(self.metrics_url) > 0:
+            time.sleep(0.5)
+        time.sleep(args.llm_latency_ms / 1000 + 0.5)
+
+    def drive(self, kind, args):
+        """drive(users, seconds) -> a phase's figures, for one client kind."""
+        def c(url, backoff):
+            return lambda users, seconds: c_phase(self.binary, url, self.image_path, users, seconds,
+                                                  args.timeout_s, backoff)
+
+        def py(make):
+            return lambda users, seconds: python_kind_phase(make, users, seconds)
+
+        return {
+            "resend-bare": lambda: c(self.http_url, 0),
+            "resend-proxy": lambda: c(self.proxy_url, 0),
+            "backoff-bare": lambda: c(self.http_url, args.backoff_s),
+            "client-grpc": lambda: py(project_client(self.grpc_url, "grpc", self.image, args)),
+            "client-http-proxy": lambda: py(project_client(self.proxy_url, "http", self.image, args)),
+            "openai-front": lambda: py(openai_sdk(self.openai_base_url, self.image, args)),
+        }[kind]()
+
+
+def pending_requests(metrics_url):
+    """Requests queued in Triton, all models (nv_inference_pending_request_count)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("nv_inference_pending_request_count{"))
+
+
+def legacy_driver(args, grpc_url, image_path):
+    """--load-generator python: the earlier tritonclient gRPC users (python_phase)."""
+    image = pathlib.Path(image_path).read_bytes()
+    return lambda users, seconds: asyncio.run(
+        python_phase(grpc_url, image, users, seconds, args.timeout_s, args.backoff_s))
+
+
+def run(stack, args):
+    """The saturation point (a sweep unless --saturation), measured once with
+    the back-off C users; then each kind at each overload factor."""
+    reference = stack.drive("backoff-bare", args)
+    sweep = None
+    users = args.saturation
+    if users is None:
+        users, sweep = saturating_users(reference, args)
+    log(f"saturation: {users} users")
+    saturation = reference(users, args.phase_s)
+    log(f"  {saturation['admitted_per_s']} answered/s, p99 {saturation['admitted_p99_ms']} ms")
+    phases = []
+    for factor in args.factors:
+        for kind in args.kinds:
+            log(f"{kind} at {factor}x ({users * factor} users)")
+            stack.settle(args)
+            seen = stack.proxy.tally()
+            figures = stack.drive(kind, args)(users * factor, args.phase_s)
+            figures.update(kind=kind, factor=factor, **KINDS[kind])
+            if "proxy" in kind:
+                figures["proxy_answers"] = stack.proxy.tally(since=seen)
+            figures["goodput_share"] = round(figures["admitted_per_s"] / saturation["admitted_per_s"], 2) \
+                if saturation["admitted_per_s"] else None
+            log(f"  {figures['admitted_per_s']} answered/s ({figures['goodput_share']} of saturation), "
+                f"{figures['rejected']} refused, {figures['lost']} lost")
+            phases.append(figures)
+    return {"sweep": sweep, "saturation": saturation, "phases": phases,
+            "table": table(saturation, phases), "verdict": judge(saturation, phases, args)}
+
+
+def _ms(value):
+    return "" if value is None else f"{value:,.0f} ms"
+
+
+def table(saturation, phases):
+    """The figures as docs/reliability.md#overload shows them (Markdown)."""
+    rows = ["| client | path | overload | users | answered/s | share of saturation | answer p50 | answer p99 "
+            "| refused | lost | load generator CPU |", "| --- " * 11 + "|"]
+    for p in [dict(saturation, client="C generator, back-off + jitter + Retry-After", path="Triton HTTP",
+                   factor=1, goodput_share=1.0), *phases]:
+        rows.append(f"| {p['client']} | {p['path']} | {p['factor']}x | {p['users']} | {p['admitted_per_s']} | "
+                    f"{p['goodput_share']} | {_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
+                    f"{p['rejected']} | {p['lost']} | {p.get('load_generator_cpu_share', '')} |")
+    return "\n".join(rows)
+
+
+def judge(saturation, phases, args):
+    """Targets (issue 23): goodput share at the top factor per kind (KINDS'
+    judged), admitted p99 within --max-p99-ratio x saturation's for the C
+    kinds that are judged (per attempt; the Python clients' latencies include
+    their retries: reported only), nothing lost anywhere."""
+    if not saturation["admitted"]:
+        return ["no request was answered at saturation"]
+    problems = []
+    if saturation["lost"]:
+        problems.append(f"{saturation['lost']} request(s) lost at saturation: {saturation['lost_sample']}")
+    top = max(args.factors)
+    for p in phases:
+        where = f"{p['kind']} at {p['factor']}x"
+        if p["lost"]:
+            problems.append(f"{where}: {p['lost']} request(s) lost: {p['lost_sample']}")
+        need = KINDS[p["kind"]]["judged"]
+        if p["factor"] == top and need is not None and (p["goodput_share"] or 0) < need:
+            problems.append(f"{where}: goodput {p['goodput_share']} of saturation (target at least {need})")
+        if p["kind"] in ("resend-proxy", "backoff-bare") and p["admitted"]:
+            ratio = p["admitted_p99_ms"] / saturation["admitted_p99_ms"]
+            if ratio > args.max_p99_ratio:
+                problems.append(f"{where}: admitted p99 {ratio:.2f}x saturation's (limit {args.max_p99_ratio}x)")
+    return problems
+
+
+def log(message):
+    print(f"overload: {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grpc-url", help="an already running server (default: start one); with --http-url")
+    parser.add_argument("--http-url", help="the same server's HTTP endpoint")
+    parser.add_argument("--openai-url", help="the same server's OpenAI front, e.g. http://127.0.0.1:8003/v1")
+    parser.add_argument("--load-generator", choices=("kinds", "python"), default="kinds",
+                        help="kinds: every --kinds client (default); python: the earlier single "
+                             "tritonclient gRPC generator, saturation and --factor x only")
+    parser.add_argument("--kinds", type=lambda v: v.split(","), default=list(KINDS),
+                        help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
+    parser.add_argument("--factors", type=lambda v: [int(f) for f in v.split(",")], default=[20],
+                        help="overload factors, x the saturating users (default 20; e.g. 4,20)")
+    parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
+    parser.add_argument("--min-users", type=int, default=16, help="the sweep starts here")
+    parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
+    parser.add_argument("--max-users", type=int, default=256, help="the sweep stops here")
+    parser.add_argument("--factor", type=int, default=10, help="--load-generator python only")
+    parser.add_argument("--phase-s", type=float, default=30)
+    parser.add_argument("--llm-latency-ms", type=float, default=1000,
+                        help="the fake LLM's latency (1 s: the describe step holds requests like a real LLM)")
+    parser.add_argument("--timeout-s", type=float, default=60)
+    parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
+    parser.add_argument("--client-retries", type=int, default=50,
+                        help="the Python clients' retries (the project client's retries=, the SDK's max_retries)")
+    parser.add_argument("--proxy-max-in-flight", type=int, default=128,
+                        help="TRITON_MAX_IN_FLIGHT of the shedding proxy (deploy/nginx)")
+    parser.add_argument("--max-p99-ratio", type=float, default=3.0)
+    parser.add_argument("--max-reject-ms", type=float, default=50.0, help="--load-generator python only")
+    parser.add_argument("--results", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    unknown = set(args.kinds) - set(KINDS)
+    if unknown:
+        parser.error(f"unknown --kinds {', '.join(sorted(unknown))}")
+    if args.grpc_url and not args.http_url:
+        parser.error("--grpc-url needs --http-url (the C users and the proxy speak HTTP)")
+    if args.grpc_url and "openai-front" in args.kinds and not args.openai_url:
+        parser.error("--kinds openai-front on a running server needs --openai-url")
+    return args
+
+
+def run_legacy(drive, args):
     sweep = None
     users = args.saturation
     if users is None:
@@ -186,10 +476,10 @@ def run(drive, args):
     saturation = drive(users, args.phase_s)
     overload = drive(users * args.factor, args.phase_s)
     return {"sweep": sweep, "saturation": saturation, "overload": overload,
-            "verdict": judge(saturation, overload, args)}
+            "verdict": judge_legacy(saturation, overload, args)}
 
 
-def judge(saturation, overload, args):
+def judge_legacy(saturation, overload, args):
     problems = []
     if not saturation["admitted"] or not overload["admitted"]:
         return ["no request was answered in a phase"]
@@ -207,26 +497,13 @@ def judge(saturation, overload, args):
     return problems
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--grpc-url", help="an already running server (default: start one); with --http-url")
-    parser.add_argument("--http-url", help="the same server's HTTP endpoint (the C load generator's)")
-    parser.add_argument("--load-generator", choices=("c", "python"), default="c",
-                        help="c: tools/overload_client.c over HTTP (default); python: tritonclient gRPC")
-    parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
-    parser.add_argument("--min-users", type=int, default=8, help="the sweep starts here")
-    parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
-    parser.add_argument("--max-users", type=int, default=512, help="the sweep stops here")
-    parser.add_argument("--factor", type=int, default=10)
-    parser.add_argument("--phase-s", type=float, default=30)
-    parser.add_argument("--llm-latency-ms", type=float, default=1000,
-                        help="the fake LLM's latency (1 s: the describe step holds requests like a real LLM)")
-    parser.add_argument("--timeout-s", type=float, default=30)
-    parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
-    parser.add_argument("--max-p99-ratio", type=float, default=3.0)
-    parser.add_argument("--max-reject-ms", type=float, default=50.0)
-    parser.add_argument("--results", type=pathlib.Path)
-    return parser.parse_args(argv)
+def measure(args, grpc_url, http_url, openai_url, image_path, workdir, metrics_url=None):
+    if args.load_generator == "python":
+        return run_legacy(legacy_driver(args, grpc_url, image_path), args)
+    with ShedProxy(pathlib.Path(workdir) / "nginx", http_url, args.proxy_max_in_flight) as proxy:
+        stack = Stack(grpc_url, http_url, openai_url, proxy, compile_c_client(workdir), image_path)
+        stack.metrics_url = metrics_url
+        return run(stack, args)
 
 
 def on_own_server(args, image_path, workdir):
@@ -234,7 +511,8 @@ def on_own_server(args, image_path, workdir):
     server = TritonServer(workdir, {"LLM_BASE_URL": llm.base_url, "LLM_API_KEY": "sk-overload"})
     try:
         server.start()
-        results = run(driver(args, server.grpc_url, server.http_url, image_path, workdir), args)
+        results = measure(args, server.grpc_url, server.http_url, server.openai_base_url, image_path, workdir,
+                          server.metrics_url)
         results["server_ready_after"] = server.is_ready()
         if not results["server_ready_after"]:
             results["verdict"].append("server not ready after the run")
@@ -251,13 +529,15 @@ def main(argv=None):
     image_path = pathlib.Path(skimage.data.__file__).parent / "coffee.png"
     with tempfile.TemporaryDirectory(prefix="overload-") as workdir:
         if args.grpc_url:
-            results = run(driver(args, args.grpc_url, args.http_url, image_path, workdir), args)
+            results = measure(args, args.grpc_url, args.http_url, args.openai_url, image_path, workdir)
         else:
             results = on_own_server(args, image_path, workdir)
     results["host"] = host.describe()
     results["settings"] = {k: v for k, v in vars(args).items() if k not in ("results", "grpc_url", "http_url")}
     text = json.dumps(results, indent=2, default=str)
     print(text)
+    if "table" in results:
+        print(results["table"], file=sys.stderr)
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(text + "\n")

@@ -2,14 +2,17 @@
  * users, each on its own keep-alive HTTP/1.1 connection to Triton's
  * POST /v2/models/<model>/infer (binary tensor extension: IMAGE, and a PROMPT
  * that is new for every request, so the describe step's cache never answers).
- * A user waits for its answer; on a queue policy's refusal (HTTP 503 whose
- * body says "Exceeds maximum queue size") it backs off as classify_describe's
- * clients do (exponential with full jitter, capped at 5 s) and sends again.
+ * A user waits for its answer; on a refusal (HTTP 503 whose body says
+ * "Exceeds maximum queue size", Triton's queue policy, or "in-flight limit",
+ * the shedding proxy in deploy/nginx) it backs off as classify_describe's
+ * clients do (exponential with full jitter, capped at 5 s; at least the
+ * Retry-After, capped at 30 s) and sends again; with BACKOFF_MS 0 at once.
  *
  * One thread, epoll: written in C so that the load generator is not the
  * bottleneck (the Python one was: 1,280 gRPC streams in one process on the
  * cores the server also uses). Every attempt is written to `out` as one line
- * "<outcome> <microseconds>", outcome: ok, refused, or lost:<why>.
+ * "<outcome> <latency us> <end us since the phase began>", outcome: ok,
+ * refused, or lost:<why>.
  *
  *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT
  */
@@ -31,6 +34,8 @@
 #include <unistd.h>
 
 #define REFUSED "Exceeds maximum queue size"
+#define SHED "in-flight limit" /* deploy/nginx/triton-shed.conf.template's refusal */
+#define RETRY_AFTER_CAP_S 30.0
 #define PROMPT_FMT "What is it? (%08x-%010lu)"
 #define PROMPT_LEN 33 /* the format above, always this long */
 #define RECV_MAX (256 * 1024)
@@ -51,7 +56,7 @@ static char *header_fmt, *image, *prefix; /* shared by every user: HTTP and JSON
 static size_t image_len, prefix_len, request_len;
 static unsigned tag;
 static unsigned long counter;
-static double backoff_ms, timeout_ms;
+static double backoff_ms, timeout_ms, phase_start;
 static FILE *out;
 
 static double now(void) {
@@ -60,8 +65,9 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec / 1e9;
 }
 
+/* One attempt: its outcome, its latency and when it ended (since the phase began). */
 static void record(const char *outcome, double seconds) {
-    fprintf(out, "%s %.0f\n", outcome, seconds * 1e6);
+    fprintf(out, "%s %.0f %.0f\n", outcome, seconds * 1e6, (now() - phase_start) * 1e6);
 }
 
 static void put_u32(char *p, uint32_t v) {
@@ -152,10 +158,19 @@ static void finish(struct user *u, int status, int epoll_fd) {
         record("ok", seconds);
         u->attempt = 0;
         u->state = IDLE;
-    } else if (status == 503 && strstr(u->buf, REFUSED)) {
+    } else if (status == 503 && (strstr(u->buf, REFUSED) || strstr(u->buf, SHED))) {
         record("refused", seconds);
         u->state = SLEEPING;
-        u->wake = now() + jitter_s(u->attempt++);
+        double wait = jitter_s(u->attempt++);
+        /* Clients that back off also honour Retry-After (capped); those that
+         * resend at once (BACKOFF_MS 0) ignore it, which is their point. */
+        char *retry_after = strcasestr(u->buf, "\r\nretry-after:");
+        if (retry_after && backoff_ms > 0) {
+            double asked = atof(retry_after + 14);
+            if (asked > RETRY_AFTER_CAP_S) asked = RETRY_AFTER_CAP_S;
+            if (asked > wait) wait = asked;
+        }
+        u->wake = now() + wait;
     } else {
         char why[32];
         snprintf(why, sizeof why, "lost:http_%d", status);
@@ -262,7 +277,8 @@ static void raise_fd_limit(void) {
 
 static int run(struct user *users, int count, double seconds) {
     int epoll_fd = epoll_create1(0);
-    double deadline = now() + seconds;
+    phase_start = now();
+    double deadline = phase_start + seconds;
     struct epoll_event events[256];
     int active = count;
     while (active) {

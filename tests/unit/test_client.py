@@ -110,7 +110,7 @@ def stand_in():
 @pytest.fixture
 def no_backoff(monkeypatch):
     """Retries resend at once: the tests count resends, they do not wait for them."""
-    monkeypatch.setattr(client_module, "backoff_s", lambda base_s, attempt: 0.0)
+    monkeypatch.setattr(client_module, "backoff_s", lambda base_s, attempt, retry_after_s=None: 0.0)
 
 
 @pytest.fixture
@@ -221,6 +221,52 @@ def test_sync_client_retries_unavailable_and_a_closed_connection(stand_in, no_ba
         with pytest.raises(TritonRequestError) as bad:
             client.infer(b"invalid:bad")
         assert not bad.value.retryable and client.retried == 3
+
+
+# ---------------------------------------------------------------- the back-off itself
+# (the tests above replace it with 0; these hold it to its policy)
+
+def test_backoff_grows_exponentially_with_full_jitter_up_to_the_cap(monkeypatch):
+    ceilings = []
+    monkeypatch.setattr(client_module.random, "uniform", lambda low, high: ceilings.append((low, high)) or high)
+    waits = [client_module.backoff_s(0.5, attempt) for attempt in range(6)]
+    assert ceilings == [(0, 0.5), (0, 1.0), (0, 2.0), (0, 4.0), (0, 5.0), (0, 5.0)]  # from 0: full jitter
+    assert waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert client_module.backoff_s(0.5, 10_000) == client_module.BACKOFF_CAP_S  # no overflow far out
+
+
+def test_backoff_is_spread_over_the_whole_interval():
+    # 2,000 draws in [0, 2): the chance that none falls below 0.2 (or above
+    # 1.8) is 0.9**2000; spread, not a constant.
+    waits = [client_module.backoff_s(0.5, 2) for _ in range(2000)]
+    assert all(0 <= w <= 2.0 for w in waits)
+    assert min(waits) < 0.2 and max(waits) > 1.8
+
+
+def test_backoff_honours_retry_after_and_caps_it(monkeypatch):
+    monkeypatch.setattr(client_module.random, "uniform", lambda low, high: low)  # the jitter's least
+    assert client_module.backoff_s(0.5, 0, retry_after_s=3) == 3.0  # never sooner than asked
+    assert client_module.backoff_s(0.5, 0, retry_after_s=3600) == client_module.RETRY_AFTER_CAP_S
+    monkeypatch.setattr(client_module.random, "uniform", lambda low, high: high)
+    assert client_module.backoff_s(0.5, 4, retry_after_s=1) == 5.0  # the jitter's longer wait wins
+
+
+def test_the_clients_back_off_between_resends_with_growing_attempts(stand_in, monkeypatch):
+    asked = []
+    monkeypatch.setattr(client_module, "backoff_s", lambda base_s, attempt, retry_after_s=None:
+                        asked.append((base_s, attempt)) or 0.0)
+    with Client(stand_in.url, timeout_s=5, retries=3, retry_backoff_s=0.25) as client:
+        with pytest.raises(TritonRequestError):
+            client.infer(b"unavailable:down")
+    assert asked == [(0.25, 0), (0.25, 1), (0.25, 2)]
+
+    async def many():
+        async with AsyncClient(stand_in.url, timeout_s=5, retries=2, retry_backoff_s=0.1) as client:
+            return [outcome async for outcome in client.infer_many([b"unavailable:down"])]
+
+    asked.clear()
+    asyncio.run(many())
+    assert asked == [(0.1, 0), (0.1, 1)]
 
 
 # ---------------------------------------------------------------- command line

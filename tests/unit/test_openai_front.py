@@ -778,3 +778,56 @@ def test_the_pool_reaches_the_stub_calls_it_uses():
             await pool.close()
 
     assert asyncio.run(main())
+
+
+async def _send_head(port, length, first_bytes=b""):
+    """A chat request whose headers (and perhaps the start of its body) are sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % length + first_bytes)
+    await writer.drain()
+    return reader, writer
+
+
+def test_requests_past_the_limit_in_flight_are_refused_from_their_headers_before_the_body():
+    pool = StalledPool()
+    app = front_with(pool, max_requests_in_flight=1)
+    payload = json.dumps(body()).encode()
+
+    async def main():
+        async with TestServer(app, host="127.0.0.1", handler_cancellation=True) as server:
+            _, holder = await _send_head(server.port, len(payload), payload)
+            await asyncio.wait_for(pool.started.wait(), 5)  # the one slot is taken
+            # Only the headers: an answer now was decided before the body was read.
+            reader, refused = await _send_head(server.port, len(payload))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                         .split(b":")[1])
+            answer = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))
+            refused.close()
+            async with aiohttp.ClientSession() as session:  # the rest of the API is not shed
+                async with session.get(f"http://127.0.0.1:{server.port}/v1/models") as models:
+                    models_status = models.status
+            holder.close()  # the held request ends (cancelled): its slot is free again
+            for _ in range(500):
+                if app[front_app.ADMISSION].now == 0:
+                    break
+                await asyncio.sleep(0.01)
+            pool.started.clear()
+            _, again = await _send_head(server.port, len(payload), payload)
+            await asyncio.wait_for(pool.started.wait(), 5)  # admitted: it reached Triton's pool
+            again.close()
+            return head, answer, models_status
+
+    head, answer, models_status = asyncio.run(main())
+    assert head.startswith(b"HTTP/1.1 503") and b"\r\nRetry-After: 1\r\n" in head
+    assert answer["error"]["code"] == "service_unavailable"
+    assert "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT" in answer["error"]["message"]
+    assert models_status == 200
+
+
+def test_the_requests_in_flight_setting():
+    assert settings.from_environ({}).max_requests_in_flight == 128
+    assert settings.from_environ({"OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT": "7"}).max_requests_in_flight == 7
+    with pytest.raises(settings.ConfigError):
+        settings.from_environ({"OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT": "0"})

@@ -22,12 +22,20 @@ def test_attempts_into_a_phase():
     assert figures["lost_sample"] == ["lost:timeout"]
 
 
+def test_only_what_ends_within_the_phase_counts_but_every_loss_does():
+    lines = ["ok 1000000 900000\n", "ok 1000000 2100000\n", "refused 1000 1500000\n", "refused 1000 2500000\n",
+             "lost:timeout 30000000 32000000\n"]
+    admitted, rejected, lost = overload.parse_attempts(lines, window_s=2.0)
+    assert admitted == [1.0] and rejected == [0.001] and lost == ["lost:timeout"]
+
+
 class StandInTriton(http.server.BaseHTTPRequestHandler):
     """Triton's HTTP infer endpoint as the C client sees it: the binary tensor
     extension read and checked; every other request refused as a full queue."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as Triton
     prompts = []
+    shed = False  # True: refuse everything as the shedding proxy does (503, Retry-After: 1)
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -39,9 +47,12 @@ class StandInTriton(http.server.BaseHTTPRequestHandler):
         prompt = body[header_length + image_size:]
         assert len(prompt) == prompt_size and struct.unpack("<I", prompt[:4])[0] == prompt_size - 4
         self.prompts.append(prompt[4:].decode())
-        refused = len(self.prompts) % 2 == 0
-        answer = json.dumps({"error": overload.REFUSED} if refused else {"outputs": []}).encode()
+        refused = self.shed or len(self.prompts) % 2 == 0
+        message = "Exceeds the in-flight limit of the proxy (1)" if self.shed else overload.REFUSED
+        answer = json.dumps({"error": message} if refused else {"outputs": []}).encode()
         self.send_response(503 if refused else 200)
+        if self.shed:
+            self.send_header("Retry-After", "1")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(answer)))
         self.end_headers()
@@ -51,20 +62,49 @@ class StandInTriton(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
-def test_the_c_client_against_a_stand_in(tmp_path):
+def run_c_client(tmp_path, handler, users, seconds, backoff_base_s):
     (tmp_path / "photo").write_bytes(b"photo")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandInTriton)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         binary = overload.compile_c_client(tmp_path)
-        figures = overload.c_phase(binary, f"127.0.0.1:{server.server_address[1]}", tmp_path / "photo",
-                                   users=4, seconds=1.0, timeout_s=5, backoff_base_s=0.01)
+        return overload.c_phase(binary, f"127.0.0.1:{server.server_address[1]}", tmp_path / "photo",
+                                users=users, seconds=seconds, timeout_s=5, backoff_base_s=backoff_base_s)
     finally:
         server.shutdown()
         server.server_close()
+
+
+needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+
+
+@needs_cc
+def test_the_c_client_against_a_stand_in(tmp_path):
+    StandInTriton.prompts = []
+    figures = run_c_client(tmp_path, StandInTriton, users=4, seconds=1.0, backoff_base_s=0.01)
     assert figures["lost"] == 0, figures["lost_sample"]
     assert figures["admitted"] > 10 and figures["rejected"] > 10
-    assert figures["admitted"] + figures["rejected"] == len(StandInTriton.prompts)
+    # Each user's last attempt may end after the phase: not counted in its figures.
+    assert len(StandInTriton.prompts) - 4 <= figures["admitted"] + figures["rejected"] <= len(StandInTriton.prompts)
     assert len(set(StandInTriton.prompts)) == len(StandInTriton.prompts)  # a new prompt every time
     assert all(p.startswith("What is it? (") for p in StandInTriton.prompts)
+
+
+class ShedStandIn(StandInTriton):
+    prompts = []
+    shed = True
+
+
+@needs_cc
+@pytest.mark.parametrize("backoff_base_s", [0.01, 0])
+def test_the_proxys_refusal_is_a_refusal_and_retry_after_is_honoured_unless_resending_at_once(tmp_path,
+                                                                                              backoff_base_s):
+    ShedStandIn.prompts = []
+    figures = run_c_client(tmp_path, ShedStandIn, users=1, seconds=2.5, backoff_base_s=backoff_base_s)
+    assert figures["lost"] == 0 and figures["admitted"] == 0, figures["lost_sample"]
+    if backoff_base_s:
+        # Retry-After: 1 over 2.5 s: attempts at about 0, 1 and 2 s (a slow
+        # machine makes fewer); a back-off of 0.01 s alone would make hundreds.
+        assert 1 <= len(ShedStandIn.prompts) <= 3
+    else:
+        assert len(ShedStandIn.prompts) > 10  # resends at once: Retry-After ignored

@@ -1,0 +1,89 @@
+"""The shipped shedding proxy (deploy/nginx/triton-shed.conf.template; nginx
+from tools/nginx.py) in front of the session's Triton: past its in-flight
+limit it answers 503 with Retry-After from the headers alone, before a byte
+of the body arrives, and what it admits reaches Triton and is answered.
+`make overload` measures what that is worth under load."""
+
+import http.client
+import json
+import time
+
+import pytest
+
+from tools.nginx import ShedProxy
+
+from .raw_infer import bytes_tensor, http_infer
+
+ENSEMBLE = "classify_and_describe"
+HOLD_TIMEOUT_S = 30  # generous: a loaded 2-core machine; only a hang reaches it
+
+
+def infer_body(photo, prompt):
+    tensors = [bytes_tensor("IMAGE", [[photo]]), bytes_tensor("PROMPT", [[prompt.encode()]])]
+    header = json.dumps({"inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape,
+                                     "parameters": {"binary_data_size": len(t.raw)}} for t in tensors]}).encode()
+    return header, header + b"".join(t.raw for t in tensors)
+
+
+def start_infer(url, header, body_length):
+    """An infer request whose headers are sent and whose body is not, yet."""
+    host, port = url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=HOLD_TIMEOUT_S)
+    connection.putrequest("POST", f"/v2/models/{ENSEMBLE}/infer")
+    connection.putheader("Content-Length", str(body_length))
+    connection.putheader("Inference-Header-Content-Length", str(len(header)))
+    connection.endheaders()
+    return connection
+
+
+def probe_status(url):
+    host, port = url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=HOLD_TIMEOUT_S)
+    try:
+        connection.request("GET", "/v2")
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def proxy(triton, tmp_path):
+    with ShedProxy(tmp_path, triton.http_url, max_in_flight=1) as running:
+        yield running
+
+
+def test_the_proxy_refuses_before_the_body_and_admits_the_rest(proxy, triton, photos):
+    header, body = infer_body(photos["coffee"], "What is it? (shedding proxy)")
+    # One request holds the only slot: its headers are in, its body only begun.
+    holder = start_infer(proxy.url, header, len(body))
+    holder.send(body[:1024])
+    # An event, not a sleep: the slot is taken once a cheap request is shed.
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while probe_status(proxy.url) != 503:
+        assert time.monotonic() < deadline, "the proxy never counted the held request"
+
+    # Headers only, the body never sent: an answer now proves the refusal
+    # came before the body was read.
+    refused = start_infer(proxy.url, header, len(body))
+    answer = refused.getresponse()
+    assert answer.status == 503
+    assert answer.getheader("Retry-After") == "1"
+    assert "in-flight limit" in json.loads(answer.read())["error"]  # Triton's error format
+    refused.close()
+
+    # The held request, once whole, passes to Triton and is answered.
+    holder.send(body[1024:])
+    admitted = holder.getresponse()
+    payload = admitted.read()
+    assert admitted.status == 200, payload[:300]
+    outputs = json.loads(payload)["outputs"]  # no binary output asked for: all JSON
+    assert {o["name"] for o in outputs} >= {"LABELS", "DESCRIPTION"}
+    holder.close()
+
+    # The slot is free again: an ordinary request through the proxy is answered.
+    again = http_infer(proxy.url, ENSEMBLE, [bytes_tensor("IMAGE", [[photos["chelsea"]]])])
+    assert again.ok, again.message
+    assert probe_status(proxy.url) == 200
+    assert triton.is_ready()
