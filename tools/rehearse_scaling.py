@@ -44,7 +44,7 @@ import urllib.error
 import urllib.request
 
 from classify_describe.client import AsyncClient
-from tools import host
+from tools import debian_package, host
 from tools.local_stack import FakeLLM, NotReady, TritonServer, free_port, stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -126,23 +126,11 @@ class Replica:
 # -- nginx -------------------------------------------------------------------------
 
 def find_or_unpack_nginx():
-    """Debian's nginx: the installed one, else the package unpacked into build/nginx.
-    `dpkg -x` runs no maintainer script, so no system service is started (an
-    `apt-get install` would start one on port 80)."""
-    for candidate in (shutil.which("nginx"), "/usr/sbin/nginx", REPO / "build/nginx/usr/sbin/nginx"):
-        if candidate and os.access(candidate, os.X_OK):
-            return str(candidate)
-    target = REPO / "build/nginx"
-    debs = target / "deb"
-    debs.mkdir(parents=True, exist_ok=True)
-    log("nginx not found; fetching Debian's package into build/nginx (apt-get download + dpkg -x)")
-    fetch = subprocess.run(["apt-get", "download", "nginx"], cwd=debs, capture_output=True, text=True)
-    if fetch.returncode != 0:
-        raise SystemExit("rehearse: could not fetch nginx; install it (apt-get install -y nginx, "
-                         f"then stop the service it starts) or run apt-get update:\n{fetch.stderr}")
-    deb = sorted(debs.glob("nginx_*.deb"))[-1]
-    subprocess.run(["dpkg", "-x", str(deb), str(target)], check=True)
-    return str(target / "usr/sbin/nginx")
+    """Debian's nginx: the installed one, else the package unpacked into build/nginx."""
+    try:
+        return debian_package.find_or_unpack("nginx", "usr/sbin/nginx", system=("nginx", "/usr/sbin/nginx"))
+    except debian_package.PackageUnavailable as error:
+        raise SystemExit(f"rehearse: {error}") from None
 
 
 NGINX_CONF = """\
