@@ -6,25 +6,23 @@ its variables list values, and every rule of
 deploy/monitoring/prometheusrule.yaml evaluates without error.
 
 Prometheus is Debian's (versions.env PROMETHEUS_DEB_VERSION), unpacked into
-build/ on first use (tools/debian_package.py), started here on a free
-loopback port with a 1 s scrape interval and stopped by its PID."""
+build/ on first use, started on a free loopback port with a 1 s scrape
+interval and stopped by its PID (tools/local_prometheus.py)."""
 
 import base64
 import json
-import pathlib
-import subprocess
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 import uuid
 
 import pytest
 
-from tools import debian_package, prometheus_rules
-from tools.local_stack import REPO, free_port, log_tail, stop_process
+from tools import local_prometheus, prometheus_rules
+from tools.debian_package import PackageUnavailable
+from tools.local_prometheus import DASHBOARD, Prometheus, dashboard_panels
+from tools.local_stack import NotReady
 
-DASHBOARD = REPO / "deploy/monitoring/grafana/classify-describe.json"
 MODEL = "classify_and_describe"
 # What Grafana puts in place of the dashboard's variables: every namespace and
 # model ("All"), and a rate window that holds several 1 s scrapes.
@@ -32,63 +30,16 @@ VARIABLES = {"$namespace": ".*", "$model": ".*", "$__rate_interval": "1m"}
 # Generous on purpose: on a loaded 2-core machine a scrape, or the stubs'
 # metric flush (every 0.25 s), can be late by seconds. Each wait ends as soon
 # as its condition holds.
-READY_TIMEOUT_S = 60
 SERIES_TIMEOUT_S = 120
-
-
-class Prometheus:
-    def __init__(self, workdir, targets):
-        self.binary = debian_package.find_or_unpack("prometheus", "usr/bin/prometheus",
-                                                    version=debian_package.pinned("PROMETHEUS_DEB_VERSION"))
-        self.port = free_port()
-        self.workdir = pathlib.Path(workdir)
-        prometheus_rules.write(self.workdir / "rules.yml")
-        jobs = "".join(f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']\n"
-                       for job, target in targets.items())
-        (self.workdir / "prometheus.yml").write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "rule_files:\n  - rules.yml\nscrape_configs:\n" + jobs)
-        self.log_path = self.workdir / "prometheus.log"
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [self.binary, "--config.file=prometheus.yml", "--storage.tsdb.path=data",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"prometheus did not become ready:\n{log_tail(self.log_path)}")
-            time.sleep(0.2)
-
-    def _ready(self):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
-
-    def api(self, path, **params):
-        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                body = json.load(response)
-        except urllib.error.HTTPError as error:
-            body = json.load(error)
-        assert body["status"] == "success", f"{path} {params}: {body.get('error')}"
-        return body["data"]
-
-    def query(self, expr):
-        return self.api("query", query=expr)["result"]
-
-    def stop(self):
-        stop_process(self.process, grace_s=30)
 
 
 @pytest.fixture(scope="module")
 def prometheus(triton, tmp_path_factory):
-    server = Prometheus(tmp_path_factory.mktemp("prometheus"),
-                        {"triton": triton.metrics_url, "openai-front": f"127.0.0.1:{triton.openai_port}"})
+    try:
+        server = Prometheus(tmp_path_factory.mktemp("prometheus"),
+                            {"triton": triton.metrics_url, "openai-front": f"127.0.0.1:{triton.openai_port}"})
+    except (NotReady, PackageUnavailable) as error:
+        pytest.fail(str(error))
     try:
         yield server
     finally:
@@ -143,17 +94,12 @@ def traffic(prometheus, triton, fake_llm, photos):
 
 
 def dashboard_targets():
-    """(panel title, expr) of every query of every panel, rows' panels included."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])]]
-    return [(panel["title"], target["expr"]) for panel in panels for target in panel.get("targets", [])]
+    """(panel title, expr) of every query of every panel."""
+    return [(panel["title"], target["expr"]) for panel in dashboard_panels() for target in panel["targets"]]
 
 
 def substituted(expr):
-    for name, value in VARIABLES.items():
-        expr = expr.replace(name, value)
-    assert "$" not in expr, f"a variable the test does not know: {expr}"
-    return expr
+    return local_prometheus.substituted(expr, VARIABLES)
 
 
 def test_every_panel_query_returns_series_after_traffic(prometheus, traffic):
