@@ -29,6 +29,8 @@ COPY openai_front/ openai_front/
 # Its error_contract.py links to the backends' one (one file for both sides of the
 # contract, docs/DESIGN.md#errors): ship that file where the link points.
 COPY backends/openai_describe/error_contract.py backends/openai_describe/
+# Its request_id.py too: the one rule for request ids, shared with the describe step.
+COPY backends/openai_describe/request_id.py backends/openai_describe/
 COPY scripts/export_classifier.py scripts/export_onnx.py scripts/make_gpu_config.py scripts/
 
 # The TorchScript file, labels and the ONNX files (fp32; int8 calibrated on photos that

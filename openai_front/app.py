@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from . import chat, fetch, responses
+from . import access_log, chat, fetch, request_id, responses
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
 from .triton import TritonPool, request_parameters
@@ -34,7 +34,9 @@ def max_body_bytes(settings):
 
 
 def create_app(settings):
-    app = web.Application(client_max_size=max_body_bytes(settings), middlewares=[_errors_and_auth])
+    # The access log outermost: it sees every answer, the error answers the next one makes included.
+    middlewares = ([access_log.middleware] if settings.access_log else []) + [_errors_and_auth]
+    app = web.Application(client_max_size=max_body_bytes(settings), middlewares=middlewares)
     app[SETTINGS] = settings
     app[BODIES] = InFlight(settings.max_bodies_in_flight, "request bodies", "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT")
     app[FETCHES] = InFlight(settings.max_fetches_in_flight, "image URLs", "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT")
@@ -46,6 +48,7 @@ def create_app(settings):
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
     app.router.add_get("/health/ready", ready)
+    app.on_response_prepare.append(request_id.send_back)
     app.on_startup.append(_start)
     app.on_shutdown.append(_end_streams)
     app.on_cleanup.append(_stop)
@@ -129,7 +132,7 @@ async def _errors_and_auth(request, handler):
                            code="not_found" if http.status == 404 else None)
     except Exception as bug:  # noqa: BLE001 - a bug answers that request alone, in OpenAI's format
         # The type and message only: a traceback's locals could hold the request (or a key).
-        log.error("openai_front: unexpected %s: %s", type(bug).__name__, bug)
+        log.error("openai_front: %sunexpected %s: %s", request_id.log_tag(request), type(bug).__name__, bug)
         error = FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
     request.app[METRICS].error(error.status, error.code)
     return error_response(error)
@@ -171,6 +174,7 @@ async def read_request(request):
         try:
             async with asyncio.timeout(settings.body_timeout_s):
                 raw = await request.read()
+            access_log.note(request, bytes_in=len(raw))
         except TimeoutError:
             raise FrontError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
                                   "(OPENAI_FRONT_BODY_TIMEOUT_S)", code="request_timeout") from None
@@ -195,6 +199,7 @@ async def chat_completions(request):
     try:
         parsed = await read_request(request)
         model_id, stream = parsed.model, parsed.stream
+        access_log.note(request, model=model_id, stream=stream)
         model = _model(settings, parsed.model)
         image = parsed.image
         if image is None:
@@ -207,13 +212,14 @@ async def chat_completions(request):
             finally:
                 app[STREAMS].discard(asyncio.current_task())
             return response
-        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed))
+        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed),
+                                       request_id=request_id.of(request))
         usage, status = answer.usage, 200
         return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
     except FrontError as error:
         status = error.status
         if status >= 500:
-            log.warning("openai_front: %s %s", status, error.message)
+            log.warning("openai_front: %s%s %s", request_id.log_tag(request), status, error.message)
         raise
     except asyncio.CancelledError:
         # The client left (aiohttp's handler_cancellation): the gRPC call was
@@ -231,8 +237,8 @@ async def _stream(request, model, parsed, image):
     or an unavailable server is still an HTTP status; later errors go as an
     `error` event (the openai SDK raises it) and the stream ends without [DONE]."""
     pool = request.app[POOL]
-    async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt,
-                                               request_parameters(parsed))) as events:
+    async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt, request_parameters(parsed),
+                                               request_id=request_id.of(request))) as events:
         try:
             answer, text = await events.__anext__()
         except StopAsyncIteration:
@@ -242,7 +248,7 @@ async def _stream(request, model, parsed, image):
             if cancel.args != (SHUTTING_DOWN,):
                 raise
             raise unavailable(SHUTTING_DOWN) from None
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = access_log.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await response.prepare(request)
             chunks = responses.ChunkWriter(responses.completion_id(), model.id, parsed.include_usage)
@@ -255,9 +261,9 @@ async def _stream(request, model, parsed, image):
                         await response.write(chunks.text(text))
             except (FrontError, asyncio.CancelledError, Exception) as failure:  # noqa: BLE001
                 # Headers are out: the failure goes as an error event, never as a second status line.
-                error = _stream_error(failure)
+                error = _stream_error(failure, request)
                 request.app[METRICS].error(error.status, error.code)
-                log.warning("openai_front: stream failed after it started: %s", error.message)
+                log.warning("openai_front: %sstream failed after it started: %s", request_id.log_tag(request), error.message)
                 await response.write(responses.sse(error.body()))
                 await response.write_eof()
                 return response, None, error.status
@@ -274,7 +280,7 @@ async def _stream(request, model, parsed, image):
         return response, answer.usage, 200
 
 
-def _stream_error(failure):
+def _stream_error(failure, request):
     """The error event for a stream that failed after its headers went out; a
     client's own cancel (not the front's shutdown) is passed on as it is."""
     if isinstance(failure, FrontError):
@@ -285,7 +291,7 @@ def _stream_error(failure):
         if failure.args != (SHUTTING_DOWN,):
             raise failure
         return unavailable(SHUTTING_DOWN)
-    log.error("openai_front: unexpected %s in a stream: %s", type(failure).__name__, failure)
+    log.error("openai_front: %sunexpected %s in a stream: %s", request_id.log_tag(request), type(failure).__name__, failure)
     return FrontError(500, "internal error in the OpenAI front", type="server_error", code="server_error")
 
 
@@ -299,8 +305,9 @@ async def get_model(request):
 
 
 async def metrics(request):
-    return web.Response(text=request.app[METRICS].render(), content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    response = await request.app[METRICS].serve(request)
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 async def health(request):

@@ -25,6 +25,8 @@ __main__). Every name is documented in the README's OpenAI section.
   OPENAI_FRONT_MAX_IMAGE_BYTES=20971520  the preprocess step's own limit
   OPENAI_FRONT_GRPC_CHANNELS=2         gRPC channels to Triton, used in turn
   OPENAI_FRONT_TIMEOUT_S=60            one request's deadline at Triton
+  OPENAI_FRONT_ACCESS_LOG=1            0: no access log (one JSON line per request
+                                       on stderr: openai_front/access_log.py)
 """
 
 import dataclasses
@@ -62,6 +64,7 @@ class Settings:
     grpc_channels: int = 2
     timeout_s: float = 60.0
     remote_fetch_timeout_s: float = 10.0
+    access_log: bool = True
     models: tuple = tuple(Model(id, *ensembles) for id, ensembles in MODELS.items())
 
     def model(self, model_id):
@@ -159,6 +162,7 @@ def from_environ(environ=None, **overrides):
         drain_s=_float(environ, "OPENAI_FRONT_DRAIN_S", 5.0),
         grpc_channels=_int(environ, "OPENAI_FRONT_GRPC_CHANNELS", 2, 1),
         timeout_s=_float(environ, "OPENAI_FRONT_TIMEOUT_S", 60.0),
+        access_log=_bool(environ, "OPENAI_FRONT_ACCESS_LOG", True),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return Settings(**values)

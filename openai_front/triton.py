@@ -69,13 +69,15 @@ def inputs_for(image, prompt):
     return tensors
 
 
-def build_request(model, image, prompt=None, parameters=None):
+def build_request(model, image, prompt=None, parameters=None, request_id=""):
     """The ModelInferRequest, built here in the handler: an input that cannot
     be sent is that request's 400, never an error inside gRPC's request
-    iterator (which the stream swallows and answers with a cancelled call)."""
+    iterator (which the stream swallows and answers with a cancelled call).
+    request_id becomes Triton's request id, which the describe step passes
+    on to the LLM upstream and puts in its log lines."""
     try:
         return _get_inference_request(
-            model_name=model, inputs=inputs_for(image, prompt), model_version="", request_id="", outputs=None,
+            model_name=model, inputs=inputs_for(image, prompt), model_version="", request_id=request_id, outputs=None,
             sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
             parameters=parameters or None)
     except UnicodeEncodeError:
@@ -194,8 +196,8 @@ class TritonPool:
     def _stub(self):
         return next(self._next)._client_stub
 
-    async def infer(self, model, image, prompt=None, parameters=None):
-        request = build_request(model, image, prompt, parameters)
+    async def infer(self, model, image, prompt=None, parameters=None, request_id=""):
+        request = build_request(model, image, prompt, parameters, request_id)
         try:
             response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s)
         except grpc.RpcError as error:
@@ -209,11 +211,11 @@ class TritonPool:
         read_outputs(InferResult(response), answer)
         return answer
 
-    async def stream(self, model, image, prompt=None, parameters=None):
+    async def stream(self, model, image, prompt=None, parameters=None, request_id=""):
         """Yield (answer so far, the text chunk it just got) per response of the
         decoupled model; the stream ends after the model's final response
         (one request, then the request side closes)."""
-        request = build_request(model, image, prompt, parameters)
+        request = build_request(model, image, prompt, parameters, request_id)
 
         async def one_request():
             yield request

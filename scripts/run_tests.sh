@@ -7,4 +7,7 @@ cd "$(dirname "$0")/.."
 
 .venv/bin/hadolint Dockerfile
 .venv/bin/ruff check .  # configured in pyproject.toml
-.venv/bin/python -m pytest tests "$@"
+# --every-level (tests/conftest.py): each level (tests/*.py, unit, integration,
+# long) must have collected tests and passed every one; a level that went
+# missing, was deselected or stopped short fails the run.
+.venv/bin/python -m pytest tests --every-level "$@"

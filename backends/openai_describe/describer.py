@@ -20,6 +20,7 @@ from openai.types.chat import ChatCompletion
 from accounting import Usage, cost_usd, finish_reason_of, tokens_from
 from llm_cache import LRUCache, cache_key
 from prompting import build_messages, fallback_description
+from request_id import HEADER
 from resilience import (
     ANSWER_TOO_LONG,
     IMAGE_REFUSED,
@@ -64,6 +65,8 @@ class Job:
     vision_skipped: str = None
     conversation: tuple = ()    # ((role, content), ...): the client's system messages and earlier turns
     response_format: dict = None  # OpenAI's response_format object, passed on as it came
+    # Triton's request id (request_id.py): sent to the upstream as X-Request-ID, never part of the cache key.
+    request_id: str = ""
 
     @property
     def model(self):
@@ -92,6 +95,10 @@ class Job:
         if self.response_format is not None:
             body["response_format"] = self.response_format
         return {**body, **extra}
+
+    def options(self, timeout):
+        """The SDK's request options of one attempt: its timeout, and the request id for the upstream's logs."""
+        return {"timeout": timeout, **({"headers": {HEADER: self.request_id}} if self.request_id else {})}
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ class WholeAnswer:
         # auth, errors and parsing as chat.completions.create(), without its
         # per-call TypedDict transform of the body (about 1 ms of CPU per call
         # here, on the path of every request).
-        response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
+        response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options=c.job.options(timeout),
                                               body=c.job.body(c.messages)), timeout)
         c.bill(getattr(response, "usage", None))  # an answer we cannot use is billed all the same
         return _answer_text(response), finish_reason_of(response)
@@ -236,7 +243,8 @@ class Describer:
         def reader_for(job, messages):
             call = Call(self._client, job, messages, usage,
                         lambda task, timeout: self._wait(task, timeout, is_cancelled),
-                        lambda reported: self._bill(job, usage, reported), self.classify_failure, self._release_slot,
+                        lambda reported: self._bill(job, usage, reported),
+                        lambda exc: self.classify_failure(exc, job.request_id), self._release_slot,
                         is_cancelled, self._clock, started + self.settings.total_timeout_s,
                         answer_chars_limit(self.settings, job.overrides))
             return WholeAnswer(call) if emit is None else StreamedAnswer(call, emit)
@@ -318,7 +326,7 @@ class Describer:
                 breaker.release(ticket)
                 raise
             except Exception as exc:  # every failure becomes a decision below, never a crash
-                failure = self.classify_failure(exc)
+                failure = self.classify_failure(exc, job.request_id)
             else:
                 failure = None
             if failure is not None or not keep_slot:
@@ -406,8 +414,9 @@ class Describer:
 
     # -- decisions and bookkeeping ---------------------------------------------------
 
-    def classify_failure(self, exc):
-        """The Failure an upstream attempt's exception stands for (rate-limited warning logged)."""
+    def classify_failure(self, exc, request_id=None):
+        """The Failure an upstream attempt's exception stands for (rate-limited warning logged,
+        naming the request whose attempt it was)."""
         if _caused_by(exc, AnswerTooLarge):  # raised under the SDK, which wraps it
             failure = ANSWER_TOO_LONG
         elif isinstance(exc, openai.APIStatusError) and refuses_image(exc.status_code, exc.body, exc.message):
@@ -425,7 +434,7 @@ class Describer:
             # A 200 whose body is not a chat completion: a proxy or server glitch.
             failure = Failure("malformed_response", retryable=True)
         self._warn_rate_limited(failure.reason, f"upstream attempt failed ({failure.reason}): "
-                                f"{type(exc).__name__}: {self.scrub(exc)}")
+                                f"{type(exc).__name__}: {self.scrub(exc)}", request_id)
         return failure
 
     def _bill(self, job, usage, reported):
@@ -478,12 +487,13 @@ class Describer:
             self.observer.circuit(model, breaker.state)
         return breaker
 
-    def _warn_rate_limited(self, reason, message, every_s=10.0):
-        # An outage at 1,000 requests/s must not turn into 1,000 log lines/s.
+    def _warn_rate_limited(self, reason, message, request_id=None, every_s=10.0):
+        # An outage at 1,000 requests/s must not turn into 1,000 log lines/s: the line
+        # names the first request of its 10 s (the others are in the metrics).
         now = self._clock()
         if self.log and now - self._last_warned.get(reason, -every_s) >= every_s:
             self._last_warned[reason] = now
-            self.log.warn(message)
+            self.log.warn(message, request_id)
 
 
 def answer_chars_limit(settings, overrides):

@@ -169,6 +169,7 @@ class BatchedDescribe:
         pass
 
     async def serve(self, request, jobs, received):
+        request_id = jobs[0].request_id  # one request's rows: one id
         try:
             results = await asyncio.gather(
                 *(self.describer.describe(job, request.is_cancelled) for job in jobs))
@@ -191,9 +192,9 @@ class BatchedDescribe:
         except Exception:  # a bug must cost one response, not the instance
             self.metrics.request_done(None, "error", None)
             # The traceback goes to the log (scrubbed: SDK errors may quote the key), not to the client.
-            self.log.error(f"describe failed:\n{self.scrub(traceback.format_exc())}")
+            self.log.error(f"describe failed:\n{self.scrub(traceback.format_exc())}", request_id)
             response = io.internal().response()
         try:
             io.send_final(request, response)
         except Exception as exc:
-            self.log.error(f"could not send a response: {self.scrub(exc)}")
+            self.log.error(f"could not send a response: {self.scrub(exc)}", request_id)

@@ -117,16 +117,16 @@ class StreamAdapter:
             if cancelled.server_stopping:
                 response = io.server_stopping().response()
             elif out.failure is not None and not cancelled():
-                response = self._chunk_lost(out.failure)
+                response = self._chunk_lost(out.failure, work.request_id)
             else:
                 response = io.cancelled()
         except _ChunkLost as exc:
-            response = self._chunk_lost(exc.__cause__)
+            response = self._chunk_lost(exc.__cause__, work.request_id)
         except asyncio.CancelledError:
             response = io.unloading().response()
         except Exception:  # a bug must cost one stream, not the instance
             self.metrics.request_done(None, "error", None)
-            self.log.error(f"describe stream failed:\n{self.scrub(traceback.format_exc())}")
+            self.log.error(f"describe stream failed:\n{self.scrub(traceback.format_exc())}", work.request_id)
             response = io.internal().response()
         finally:
             cancelled.close()
@@ -141,13 +141,13 @@ class StreamAdapter:
             try:
                 await out.send([], error=response)
             except Exception as exc:
-                self.log.error(f"could not send a response: {self.scrub(exc)}")
+                self.log.error(f"could not send a response: {self.scrub(exc)}", work.request_id)
 
-    def _chunk_lost(self, failure):
+    def _chunk_lost(self, failure, request_id):
         """The stream's end after a DESCRIPTION chunk could not be sent: the text the
         client joined has a hole, so it must not end as a whole description."""
         self.log.error(f"a DESCRIPTION chunk could not be sent, the stream ends with an error: "
-                       f"{self.scrub(failure)}")
+                       f"{self.scrub(failure)}", request_id)
         return io.internal("a DESCRIPTION chunk could not be sent: the text streamed is incomplete").response()
 
     async def _watch_cancellations(self):
@@ -207,7 +207,7 @@ class PhotoStreamAdapter(StreamAdapter):
         wanted = ["LABELS", "SCORES"] + (["VIEW"] if self.settings.vision != "off" else [])
         response = pb_utils.InferenceRequest(
             model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
-            requested_output_names=wanted).exec()
+            requested_output_names=wanted, request_id=work.request_id).exec()
         if response.has_error():
             error = response.error()
             code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
@@ -217,7 +217,8 @@ class PhotoStreamAdapter(StreamAdapter):
         view = pb_utils.get_output_tensor_by_name(response, "VIEW")
         try:
             job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings,
-                              view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue)
+                              view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue,
+                              work.request_id)
         except (io.InvalidInput, PromptError) as exc:
             # The PROMPT passed these checks in execute(): what fails is the classifier's
             # output (a bring-your-own one with long labels or NaN scores), the server's fault.

@@ -12,6 +12,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 import error_contract as contract
+import request_id as ids
 from describer import Job
 from dialogue import read_conversation, read_response_format
 from model_log import Log  # noqa: F401 - io.Log, the adapters' logger
@@ -50,6 +51,7 @@ class PhotoJob:
     prompt: object     # the raw PROMPT element, or None
     overrides: Overrides
     dialogue: "Dialogue"
+    request_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,13 @@ def read_parameters(request, settings):
     return overrides, Dialogue(read_conversation(params, settings), read_response_format(params, settings))
 
 
+def read_request_id(request):
+    """The request's id for its log lines and its LLM call: Triton's request id
+    (the OpenAI front's X-Request-ID, a tritonclient caller's request_id) when
+    it is a valid one, else a new id (request_id.py)."""
+    return ids.accept(request.request_id())
+
+
 def read_jobs(request, settings, request_models):
     """One Job per batch row; raises one of REFUSALS."""
     labels = input_array(request, "LABELS")
@@ -81,8 +90,10 @@ def read_jobs(request, settings, request_models):
         raise InvalidInput(f"LABELS {list(labels.shape)} and SCORES {list(scores.shape)} "
                            "must have the same non-empty shape", "LABELS")
     overrides, dialogue = read_parameters(request, settings)
+    request_id = read_request_id(request)
     jobs = [job_from(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
-                     overrides, settings, views[row].reshape(-1)[0] if views is not None else None, dialogue)
+                     overrides, settings, views[row].reshape(-1)[0] if views is not None else None, dialogue,
+                     request_id)
             for row in range(labels.shape[0])]
     # Last, so that a request refused for another reason takes no place under the cap.
     request_models.admit(overrides.model)
@@ -100,10 +111,10 @@ def read_photo_job(request, settings, request_models):
     read_prompt(prompt, settings.max_prompt_chars)
     overrides, dialogue = read_parameters(request, settings)
     request_models.admit(overrides.model)
-    return PhotoJob(_photo(image), prompt, overrides, dialogue)
+    return PhotoJob(_photo(image), prompt, overrides, dialogue, read_request_id(request))
 
 
-def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dialogue=Dialogue()):
+def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dialogue=Dialogue(), request_id=""):
     row_scores = tuple(float(x) for x in scores)
     if not all(math.isfinite(x) for x in row_scores):
         raise InvalidInput("SCORES must be finite", "SCORES")
@@ -111,7 +122,7 @@ def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dia
     image, skipped = read_view(raw_view, settings)
     return Job(labels=read_labels(labels, settings), scores=row_scores,
                prompt=prompt or settings.default_prompt, overrides=overrides, image=image, vision_skipped=skipped,
-               conversation=dialogue.conversation, response_format=dialogue.response_format)
+               conversation=dialogue.conversation, response_format=dialogue.response_format, request_id=request_id)
 
 
 def read_view(raw, settings):

@@ -40,10 +40,11 @@ def client(triton):
     client.close()
 
 
-@pytest.mark.parametrize("name, expected_top", [
-    ("chelsea", {"Egyptian cat", "tabby", "tiger cat"}),
-    ("coffee", {"espresso"}),
-])
+# Each photo's top label (the cat's three ImageNet classes are close; the reference ranks them).
+TOP1 = {"chelsea": {"Egyptian cat", "tabby", "tiger cat"}, "coffee": {"espresso"}}
+
+
+@pytest.mark.parametrize("name, expected_top", sorted(TOP1.items()))
 def test_top5_matches_in_process_pytorch(triton, photos, name, expected_top):
     labels, scores = classify(triton.http_url, photos[name])
     ref_labels, ref_scores = reference_top5(photos[name])
@@ -57,7 +58,8 @@ def test_two_images_in_one_request(client, photos):
     tensor.set_data_from_numpy(np.array([[photos["chelsea"]], [photos["coffee"]]], dtype=np.object_))
     result = client.infer("classify", [tensor])
     labels = result.as_numpy("LABELS")
-    assert labels.shape == (2, 5) and labels[1, 0] == b"espresso"
+    assert labels.shape == (2, 5)
+    assert labels[0, 0].decode() in TOP1["chelsea"] and labels[1, 0].decode() in TOP1["coffee"], labels[:, 0]
 
 
 @pytest.mark.parametrize("name", BAD_IMAGES)
@@ -79,13 +81,13 @@ def test_bad_image_fails_alone_while_a_concurrent_good_one_succeeds(triton, phot
 def test_all_bad_inputs_at_once_with_good_ones(triton, photos):
     """One burst, so the dynamic batcher puts good and bad requests in the same batches."""
     inputs = [(name, data) for name, (data, _) in BAD_IMAGES.items()]
-    inputs += [("good", photos["chelsea"]), ("good", photos["coffee"])] * 3
+    inputs += [("chelsea", photos["chelsea"]), ("coffee", photos["coffee"])] * 3
     with ThreadPoolExecutor(max_workers=len(inputs)) as pool:
         futures = [(name, pool.submit(classify, triton.http_url, data)) for name, data in inputs]
         for name, future in futures:
-            if name == "good":
+            if name in TOP1:  # each answer is its own photo's, never the other one's from the same batch
                 labels, _ = future.result()
-                assert labels[0] in {"espresso", "tiger cat", "Egyptian cat", "tabby"}
+                assert labels[0] in TOP1[name], (name, labels)
             else:
                 with pytest.raises(InferenceServerException, match=BAD_IMAGES[name][1]):
                     future.result()

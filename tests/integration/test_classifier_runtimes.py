@@ -30,6 +30,9 @@ VARIANTS = {
                                 "torch_num_threads": "1"}, "model.pt"),
 }
 PROTOCOLS = {"http": httpclient, "grpc": grpcclient}
+# How far int8 moves a probability on these photos: 0.017 seen (chelsea's tiger cat,
+# 0.385 -> 0.368), the same on every CPU (tests/unit/test_int8_graph.py).
+INT8_TOLERANCE = 0.05
 
 
 def variant_config(name, parameters):
@@ -109,11 +112,27 @@ def test_every_runtime_answers_like_the_eager_reference(triton, variants, pixels
         labels, scores = classify(triton, protocol, model, pixels[name])
         ref_labels, ref_scores = reference_top5(photos[name])
         if model == "classifier_int8":  # quantised: the same answer, not the same digits
-            assert labels[0] == ref_labels[0] and len(set(labels) & set(ref_labels)) >= 4, (name, labels)
-            np.testing.assert_allclose(scores[0], ref_scores[0], atol=0.05)
+            assert_int8_answers_like(labels, scores, ref_labels, ref_scores)
         else:
             assert labels == ref_labels, (name, labels)
             np.testing.assert_allclose(scores, ref_scores, atol=1e-4)
+
+
+def assert_int8_answers_like(labels, scores, ref_labels, ref_scores):
+    """The reference's answer within what quantisation moves: every class both name has its
+    probability within INT8_TOLERANCE, and the top class is the reference's where the
+    reference's top two are further apart than quantisation can move them (coffee: 0.94);
+    where they are not (chelsea: tiger cat 0.385, Egyptian cat 0.365, 0.001 apart in the
+    int8 graph), it is one of those the reference scores within that reach of its best."""
+    reference = dict(zip(ref_labels, ref_scores))
+    assert len(set(labels) & set(ref_labels)) >= 4, (labels, ref_labels)
+    for label, score in zip(labels, scores):
+        if label in reference:
+            assert abs(score - reference[label]) <= INT8_TOLERANCE, (label, score, reference[label])
+    if ref_scores[0] - ref_scores[1] > 2 * INT8_TOLERANCE:
+        assert labels[0] == ref_labels[0], (labels, ref_labels)
+    else:
+        assert reference.get(labels[0], 0.0) >= ref_scores[0] - 2 * INT8_TOLERANCE, (labels, ref_labels)
 
 
 def test_the_committed_classifier_serves_onnx_fp32(triton):

@@ -8,9 +8,12 @@ import subprocess
 import uuid
 import venv
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(900)  # pip's own limit is 600 s (a fresh virtual environment and its dependencies)
 def test_pip_install_of_the_client_and_its_console_script(triton, photos, tmp_path):
     env_dir = tmp_path / "client-venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 from serving.procfs import process_state, process_tree
 from tools.local_stack import free_port
 
@@ -16,6 +18,8 @@ from .conftest import REPO, TEST_API_KEY
 
 DEMO = REPO / "scripts/demo.sh"
 RUN_TIMEOUT_S = 360  # a first server start on the 2-core machine takes ~30 s
+# Each test waits up to RUN_TIMEOUT_S for the demo's server, then up to 120 s for it to stop.
+pytestmark = pytest.mark.timeout(RUN_TIMEOUT_S + 240)
 
 
 def demo_env(tmp_path, fake_llm, **extra):

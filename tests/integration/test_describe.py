@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import resource
 import threading
 import time
 import uuid
@@ -26,6 +27,8 @@ from tritonclient.utils import InferenceServerException
 
 from tools.local_stack import TritonServer
 
+from .conftest import STARTS_ITS_OWN_SERVER
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODEL = "describe"
 LABELS = ("tabby, tabby cat", "tiger cat", "Egyptian cat")
@@ -38,7 +41,7 @@ def restore_fake(fake_llm):
     deadline = time.monotonic() + 10  # a "refuse" test may leave the fake not listening for a moment
     while True:
         try:
-            fake_llm.admin("mode", {"mode": "ok", "latency_ms": 0})
+            fake_llm.admin("mode", {"mode": "ok", "latency_ms": 0, "hold_for": 0})
             return
         except OSError:
             if time.monotonic() > deadline:
@@ -87,6 +90,25 @@ def metric_value(triton, name, **labels):
     return total if found else None
 
 
+def assert_metric_becomes(triton, name, expected, timeout_s=30, **labels):
+    """The metric equals `expected` within `timeout_s`: a loaded machine can delay the
+    model's write past the 0.3 s metric_value waits."""
+    deadline = time.monotonic() + timeout_s
+    value = metric_value(triton, name, **labels)
+    while value != expected and time.monotonic() < deadline:
+        value = metric_value(triton, name, **labels)
+    assert value == expected, f"{name} {labels}: {value}, expected {expected}"
+
+
+def wait_until_upstream_has(fake_llm, requests, timeout_s=60):
+    """Until the fake upstream has received `requests` in all (generous: on a loaded
+    machine classification and the model's queue take seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while stats(fake_llm)["requests"] < requests:
+        assert time.monotonic() < deadline, f"the upstream got {stats(fake_llm)['requests']} of {requests} requests"
+        time.sleep(0.1)
+
+
 def stats(fake_llm):
     return fake_llm.admin("stats")
 
@@ -119,7 +141,7 @@ def test_identical_requests_are_answered_by_the_in_model_cache(client, fake_llm,
     assert second[0] == first[0] and second[1] == "llm"
     assert second[2]["cached"] is True and second[2]["cost_usd"] == 0
     assert stats(fake_llm)["requests"] == requests_after_first  # no new upstream call
-    assert metric_value(triton, "describe_cache_lookups_total", result="hit") == hits_before + 1
+    assert_metric_becomes(triton, "describe_cache_lookups_total", hits_before + 1, result="hit")
     # Triton's response cache is deliberately off for this model (it would keep fallbacks).
     assert not metric_value(triton, "nv_cache_num_hits_per_model")
 
@@ -149,7 +171,7 @@ def test_429_is_retried_after_retry_after(client, fake_llm, triton):
     assert source == "llm" and usage["attempts"] == 2
     first, second = stats(fake_llm)["arrivals"][-2:]
     assert second - first >= 1.0
-    assert metric_value(triton, "describe_requests_total", outcome="retried") == retried_before + 1
+    assert_metric_becomes(triton, "describe_requests_total", retried_before + 1, outcome="retried")
 
 
 @pytest.mark.parametrize("mode, reason", [("500", "upstream_error_http_500"), ("malformed", "malformed_response"),
@@ -198,7 +220,9 @@ def test_a_hanging_upstream_is_cut_by_the_timeout(client, fake_llm):
     started = time.monotonic()
     _, source, usage = describe(client, unique(), model="gpt-4o-mini-it-hang", timeout_s=0.5)
     assert source == "fallback" and usage["fallback_reason"] == "timeout" and usage["attempts"] == 3
-    assert time.monotonic() - started < 4
+    # Three 0.5 s attempts and their back-off, cut by the timeout: far below the hang (an
+    # hour) and the client's 120 s, with room for a loaded machine.
+    assert time.monotonic() - started < 60
 
 
 def test_refused_connections_fall_back(client, fake_llm):
@@ -214,7 +238,7 @@ def test_circuit_opens_then_half_opens_and_closes(client, fake_llm, triton):
     fake_llm.admin("mode", {"mode": "500"})
     describe(client, unique(), model=model)   # 3 failed attempts
     describe(client, unique(), model=model)   # 2 more: the threshold (5) opens the circuit
-    assert metric_value(triton, "describe_circuit_state", upstream_model=model) == 2
+    assert_metric_becomes(triton, "describe_circuit_state", 2, upstream_model=model)
     before = stats(fake_llm)["requests"]
     _, source, usage = describe(client, unique(), model=model)
     assert source == "fallback" and usage["fallback_reason"] == "circuit_open" and usage["attempts"] == 0
@@ -226,21 +250,22 @@ def test_circuit_opens_then_half_opens_and_closes(client, fake_llm, triton):
     while describe(client, unique(), model=model)[1] != "llm":
         assert time.monotonic() < deadline, "the circuit never half-opened"
         time.sleep(0.5)
-    assert metric_value(triton, "describe_circuit_state", upstream_model=model) == 0
+    assert_metric_becomes(triton, "describe_circuit_state", 0, upstream_model=model)
 
 
 def test_a_cancelled_request_stops_its_upstream_call(triton, fake_llm):
     fake_llm.admin("mode", {"mode": "hang"})
     cancelled_before = metric_value(triton, "describe_requests_total", outcome="cancelled")
-    disconnected_before = stats(fake_llm)["disconnected"]
+    disconnected_before, requests_before = stats(fake_llm)["disconnected"], stats(fake_llm)["requests"]
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     done = threading.Event()
     context = client.async_infer(MODEL, inputs(unique("cancel me"), grpcclient),
                                  callback=lambda result, error: done.set(),
                                  parameters={"model": "gpt-4o-mini-it-cancel"})
-    time.sleep(0.5)
+    wait_until_upstream_has(fake_llm, requests_before + 1)  # the call is open: now the cancellation
     context.cancel()
-    deadline = time.monotonic() + 5  # far below the 15 s attempt timeout
+    # Below the 15 s attempt timeout, whose end would make the outcome a timeout instead.
+    deadline = time.monotonic() + 12
     while metric_value(triton, "describe_requests_total", outcome="cancelled") == cancelled_before:
         assert time.monotonic() < deadline, "the model never noticed the cancellation"
         time.sleep(0.2)
@@ -250,15 +275,25 @@ def test_a_cancelled_request_stops_its_upstream_call(triton, fake_llm):
 
 
 def test_one_instance_holds_500_calls_and_queues_beyond_the_cap(triton, fake_llm):
-    """1,100 concurrent 1 s requests: 1,024 (max_in_flight) at once upstream, the rest queued, none failed."""
-    fake_llm.admin("mode", {"mode": "ok", "latency_ms": 1000})
+    """1,100 concurrent 1 s requests: at least 500 at once upstream, at most 1,024 (max_in_flight),
+    the rest queued, none failed."""
+    # Each request holds an open file here and in tritonserver, and up to 1,024 of them one
+    # in the describe stub and in the fake upstream; all started under this process's limit
+    # (tests/conftest.py raised it to the hard one). Each keeps some of its own (tritonserver
+    # 73, counted idle); 300 leave room for them.
+    requests = min(1100, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 300)
+    assert requests > 500, f"the open-file limit leaves room for {requests} requests: raise it (ulimit -n)"
+    # The upstream answers none until 500 are in flight at once: the event this test is
+    # about, whatever the machine's speed; each then takes 1 s, so those past the cap queue.
+    fake_llm.admin("mode", {"mode": "ok", "latency_ms": 1000, "hold_for": 500})
     before = stats(fake_llm)
     tag = uuid.uuid4().hex[:8]
 
     async def run():
         url = f"http://{triton.http_url}/v2/models/{MODEL}/infer"
         connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        # Generous: a loaded machine takes seconds to open them all, and the last wait for 1 s calls to end.
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
             async def one(i):
                 payload = {"inputs": [
                     {"name": "LABELS", "shape": [1, 3], "datatype": "BYTES", "data": list(LABELS)},
@@ -267,32 +302,62 @@ def test_one_instance_holds_500_calls_and_queues_beyond_the_cap(triton, fake_llm
                 async with session.post(url, json=payload) as response:
                     body = await response.json()
                     return response.status, body
-            return await asyncio.gather(*(one(i) for i in range(1100)))
+            return await asyncio.gather(*(one(i) for i in range(requests)))
 
-    started = time.monotonic()
     results = asyncio.run(run())
-    elapsed = time.monotonic() - started
     sources = [next(o["data"][0] for o in body["outputs"] if o["name"] == "DESCRIPTION_SOURCE")
                for status, body in results if status == 200]
-    assert len(sources) == 1100 and set(sources) == {"llm"}
+    assert len(sources) == requests and set(sources) == {"llm"}
     peak = stats(fake_llm)["max_in_flight"]
     assert 500 <= peak <= 1024, peak
-    assert stats(fake_llm)["requests"] - before["requests"] == 1100
-    assert elapsed < 20, elapsed  # serial would take 1,100 s
+    assert stats(fake_llm)["requests"] - before["requests"] == requests
 
 
-def test_metrics_report_tokens_cost_latency_and_gauges(triton, client):
-    describe(client, unique())
-    assert metric_value(triton, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
-    assert metric_value(triton, "describe_completion_tokens_total", upstream_model="gpt-4o-mini") > 0
-    assert metric_value(triton, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
-    assert metric_value(triton, "describe_upstream_latency_seconds_count", upstream_model="gpt-4o-mini",
-                        result="ok") > 0
-    assert metric_value(triton, "describe_requests_total", outcome="ok") > 0
+def settled(triton, expected, deadline_s=30.0):
+    """{(name, labels): value} read until every `expected` value is there: the model
+    writes its metrics every 0.25 s, later on a loaded machine, hence the generous
+    deadline. Returns the last reading, which the caller asserts on."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        seen = {key: metric_value(triton, key[0], **dict(key[1])) for key in expected}
+        if all(seen[key] == value for key, value in expected.items()) or time.monotonic() > deadline:
+            return seen
+
+
+def test_metrics_count_each_request_and_what_it_billed_and_time_it_in_seconds(triton, client, fake_llm):
+    """Three requests to a 300 ms upstream, on an upstream model of their own (series
+    no other test feeds): the counters move by exactly what was sent and billed,
+    and the latency histogram holds three observations in seconds."""
+    upstream = "gpt-4o-mini-it-metrics"
+    ok = ("describe_requests_total", (("outcome", "ok"),))
+    ok_before = metric_value(triton, "describe_requests_total", outcome="ok") or 0
+    fake_llm.admin("mode", {"mode": "ok", "latency_ms": 300})
+    usages = [describe(client, unique(), model=upstream)[2] for _ in range(3)]
+    assert [u["model"] for u in usages] == [upstream] * 3 and all(u["attempts"] == 1 for u in usages)
+
+    def series(name, **labels):
+        return name, tuple(sorted(dict(labels, upstream_model=upstream).items()))
+
+    latency = "describe_upstream_latency_seconds"
+    expected = {
+        ok: ok_before + 3,
+        series("describe_prompt_tokens_total"): sum(u["prompt_tokens"] for u in usages),
+        series("describe_completion_tokens_total"): sum(u["completion_tokens"] for u in usages),
+        series(latency + "_count", result="ok"): 3,
+        series(latency + "_bucket", result="ok", le="0.25"): 0,  # each call took 0.3 s at least
+        series(latency + "_bucket", result="ok", le="10"): 3,  # and far less than 10 s
+        series("describe_circuit_state"): 0,
+    }
+    seen = settled(triton, expected)
+    assert seen == expected
+    total_s = metric_value(triton, latency + "_sum", upstream_model=upstream, result="ok")
+    assert 0.9 <= total_s < 30, f"three 0.3 s calls took {total_s} (seconds expected)"
+    cost = metric_value(triton, "describe_cost_usd_total", upstream_model=upstream)
+    assert cost == pytest.approx(sum(u["cost_usd"] for u in usages), rel=1e-3)
     assert metric_value(triton, "describe_upstream_in_flight") == 0
-    assert metric_value(triton, "describe_circuit_state", upstream_model="gpt-4o-mini") == 0
 
 
+@STARTS_ITS_OWN_SERVER
 def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_llm):
     """A second, small server (describe, and the classifier serve.sh insists on)
     started by the same scripts/serve.sh, without LLM_API_KEY."""

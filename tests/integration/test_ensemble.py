@@ -86,8 +86,9 @@ def test_raw_tritonclient_batch_of_two(triton, photos, llm, protocol):
     client = module.InferenceServerClient(url)
     image = module.InferInput("IMAGE", [2, 1], "BYTES")
     image.set_data_from_numpy(np.array([[photos["chelsea"]], [photos["coffee"]]], dtype=object))
+    prompts = [unique_prompt("What cat is it?"), unique_prompt("What drink is it?")]
     prompt = module.InferInput("PROMPT", [2, 1], "BYTES")
-    prompt.set_data_from_numpy(np.array([[unique_prompt().encode()]] * 2, dtype=object))
+    prompt.set_data_from_numpy(np.array([[p.encode()] for p in prompts], dtype=object))
     result = client.infer(ENSEMBLE, [image, prompt])
 
     labels, scores = result.as_numpy("LABELS"), result.as_numpy("SCORES")
@@ -98,6 +99,11 @@ def test_raw_tritonclient_batch_of_two(triton, photos, llm, protocol):
     assert [s.decode() for s in result.as_numpy("DESCRIPTION_SOURCE")[:, 0]] == ["llm", "llm"]
     for usage in result.as_numpy("USAGE")[:, 0]:
         assert json.loads(usage)["total_tokens"] > 0
+    # Row by row: each description answers its own row's question, asked with its own photo's labels.
+    for row, question in enumerate(prompts):
+        assert question in result.as_numpy("DESCRIPTION")[row, 0].decode()
+        body, = upstream_bodies_containing(llm, question)
+        assert labels[row, 0].decode() in body["messages"][-1]["content"][0]["text"]
 
 
 def test_failing_llm_keeps_the_classification(triton, photos, llm):

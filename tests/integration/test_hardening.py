@@ -118,7 +118,8 @@ def test_llm_faults_under_load_then_the_circuit_closes(triton, photos, llm, test
                       "first_llm_s": round(min(first_llm_after), 2) if first_llm_after else None}))
     assert "circuit_open" in reasons and sources.count("fallback") > 10
     assert figures["open"] in (1, 2)  # open, or half-open on a probe
-    assert figures.get("closed_s") is not None and figures["closed_s"] <= 10 + 5  # circuit_cooldown_s + slack
+    # circuit_cooldown_s (10), then a probe's round trip: room for a loaded machine.
+    assert figures.get("closed_s") is not None and figures["closed_s"] <= 10 + 20
     assert first_llm_after and sources[-1] == "llm"
     assert llm.admin("stats")["last_authorization"] == f"Bearer {test_api_key}"
 

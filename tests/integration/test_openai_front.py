@@ -511,11 +511,17 @@ def test_term_lets_requests_in_flight_finish(triton, llm, photos, tmp_path):
 
     front = Front(tmp_path / "front.log", triton.grpc_url)
     try:
-        llm.admin("mode", {"mode": "ok", "latency_ms": 1500})
+        llm.admin("mode", {"mode": "ok", "latency_ms": 3000})
+        requests_before = llm.admin("stats")["requests"]
         body = {"model": MODEL, "messages": user_message(data_uri(photos["coffee"]), unique_prompt())}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(post, front.base_url, body)
-            time.sleep(0.7)
+            # TERM once the request is in flight: at the LLM, which answers 3 s later
+            # (generous: a loaded machine is slow to get it there).
+            deadline = time.monotonic() + 60
+            while llm.admin("stats")["requests"] == requests_before:
+                assert time.monotonic() < deadline and not answer.done(), "the request never reached the LLM"
+                time.sleep(0.05)
             front.process.send_signal(signal.SIGTERM)
             status, _, result = answer.result(timeout=30)
         assert status == 200 and result["choices"][0]["message"]["content"].startswith("Fake answer #")
@@ -677,14 +683,14 @@ def test_values_json_accepts_but_triton_cannot_take_are_400_on_both_paths(front,
 def test_a_client_that_leaves_before_the_answer_cancels_its_grpc_call(front, stream_model, photos, llm, stream):
     """aiohttp cancels the handler when the client leaves (handler_cancellation),
     which cancels the gRPC call at once (counted as 499 long before the LLM's
-    4 s answer; without it the front would wait and count a 200). The streaming
+    15 s answer; without it the front would wait and count a 200). The streaming
     model then closes its LLM call. The plain ensemble cannot: Triton 2.51
     cancels an ensemble's steps not yet scheduled, never the running describe
     step (docs/streaming.md), so that LLM call runs to its end."""
     import socket
 
-    llm.admin("mode", {"mode": "ok", "latency_ms": 4000})
-    before = llm.admin("stats")["disconnected"]
+    llm.admin("mode", {"mode": "ok", "latency_ms": 15000})
+    before, requests_before = (llm.admin("stats")[key] for key in ("disconnected", "requests"))
     scrape = lambda: urllib.request.urlopen(front.removesuffix("/v1") + "/metrics", timeout=10).read().decode()  # noqa: E731
     left_before = metric(scrape(), "openai_front_errors_total", code="client_closed_request")
     payload = json.dumps({"model": MODEL, "stream": stream,
@@ -694,14 +700,19 @@ def test_a_client_that_leaves_before_the_answer_cancels_its_grpc_call(front, str
         with socket.create_connection((host, int(port)), timeout=10) as client:
             client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-            time.sleep(1.5)  # classified, the LLM call open and waiting
+            # The photo classified and its LLM call open (generous: a loaded machine is slow to get there).
+            deadline = time.monotonic() + 60
+            while llm.admin("stats")["requests"] == requests_before:
+                assert time.monotonic() < deadline, "the request never reached the LLM"
+                time.sleep(0.1)
         left = time.monotonic()
+        # Well inside the LLM's 15 s answer, with room for a loaded machine.
         while metric(scrape(), "openai_front_errors_total", code="client_closed_request") == left_before:
-            assert time.monotonic() - left < 2, "the front did not notice the client leave"
+            assert time.monotonic() - left < 10, "the front did not notice the client leave"
             time.sleep(0.1)
-        deadline = time.monotonic() + 10
+        deadline = left + 12
         while stream and llm.admin("stats")["disconnected"] == before:
-            assert time.monotonic() < deadline, "the LLM call was still open 10 s after the client left"
+            assert time.monotonic() < deadline, "the LLM call was still open 12 s after the client left"
             time.sleep(0.2)
     finally:
         llm.admin("mode", {"mode": "ok", "latency_ms": 0})
@@ -762,7 +773,8 @@ def test_metrics_count_answers_errors_tokens_and_latency(front, photos):
         return urllib.request.urlopen(front.removesuffix("/v1") + "/metrics", timeout=10).read().decode()
 
     before = scrape()
-    post(front, {"model": MODEL, "messages": user_message(data_uri(photos["coffee"]), unique_prompt())})
+    status, _, answer = post(front, {"model": MODEL, "messages": user_message(data_uri(photos["coffee"]), unique_prompt())})
+    assert status == 200, answer
     post(front, {"model": "no-such-model", "messages": user_message(data_uri(photos["coffee"]))})
     after = scrape()
     ok = dict(model=MODEL, stream="false", status="200")
@@ -771,9 +783,13 @@ def test_metrics_count_answers_errors_tokens_and_latency(front, photos):
             == metric(before, "openai_front_requests_total", model="other", status="404") + 1), "client ids never become labels"
     assert (metric(after, "openai_front_errors_total", code="model_not_found")
             == metric(before, "openai_front_errors_total", code="model_not_found") + 1)
-    assert (metric(after, "openai_front_tokens_total", model=MODEL, kind="completion")
-            > metric(before, "openai_front_tokens_total", model=MODEL, kind="completion"))
-    assert metric(after, "openai_front_request_duration_seconds_count", model=MODEL, stream="false") >= 1
+    for kind in ("prompt", "completion"):  # exactly what this answer billed
+        assert (metric(after, "openai_front_tokens_total", model=MODEL, kind=kind)
+                == metric(before, "openai_front_tokens_total", model=MODEL, kind=kind) + answer["usage"][f"{kind}_tokens"])
+    durations = dict(model=MODEL, stream="false")
+    for series, labels in (("_count", durations), ("_bucket", dict(durations, le="+Inf"))):
+        name = "openai_front_request_duration_seconds" + series
+        assert metric(after, name, **labels) == metric(before, name, **labels) + 1
     assert "no-such-model" not in after
 
 

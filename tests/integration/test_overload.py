@@ -13,7 +13,7 @@ OVERLOAD_USERS = 200  # beyond the 128 that preprocess queues plus its instances
 PHASE_S = 6
 
 
-def test_overload_is_refused_fast_and_nothing_is_lost(triton, photos):
+def test_overload_is_refused_by_the_queue_policy_and_nothing_is_lost(triton, photos):
     run = lambda users: asyncio.run(python_phase(triton.grpc_url, photos["coffee"], users, PHASE_S,  # noqa: E731
                                                  timeout_s=30, backoff_base_s=0.5))
     saturation = run(SATURATION_USERS)

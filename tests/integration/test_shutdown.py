@@ -24,6 +24,10 @@ import tritonclient.grpc as grpcclient
 
 from tools.local_stack import REPO, FakeLLM, NotReady, TritonServer
 
+from .conftest import STARTS_ITS_OWN_SERVER
+
+pytestmark = STARTS_ITS_OWN_SERVER  # each test starts its own server
+
 # docs/reliability.md#shutdown: at most 10 s with streams open.
 STOP_BUDGET_S = 10
 PHOTO = (REPO / "docs/sample/coffee.png").read_bytes()

@@ -262,7 +262,7 @@ def test_an_upstream_that_floods_is_cut_at_the_limit_and_closed(triton, llm, req
     assert stream.last["DESCRIPTION_SOURCE"] == "llm_partial" and len(stream.text) == 16 * 64
     assert usage["fallback_reason"] == "answer_too_long" and usage["finish_reason"] == "length"
     assert usage["tokens_estimated"] is True and usage["cost_usd"] > 0
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # generous: the wait ends as soon as the fake sees the close
     while stats(llm)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stats(llm)["disconnected"] == before["disconnected"] + 1
@@ -277,6 +277,15 @@ def model_successes(server, model):
         return json.loads(response.read())["model_stats"][0]["inference_stats"]["success"]["count"]
 
 
+def streams_finished(server, model):
+    """describe_requests_total of `model`, every outcome (cancelled ones too): one per stream it ended."""
+    total = 0.0
+    for line in server.metrics().splitlines():
+        if line.startswith("describe_requests_total{") and f'model="{model}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_streams_cancelled_while_they_wait_are_not_classified(triton, llm, requests_):
     """60 photo streams on one gRPC stream, cancelled by the client at 0.1 s
     (issue 17, item 4): before, all 60 were still classified over the next
@@ -284,6 +293,7 @@ def test_streams_cancelled_while_they_wait_are_not_classified(triton, llm, reque
     llm.admin("mode", {"mode": "ok", "latency_ms": 2000})
     # The photo stream classifies by BLS to classify_with_view (its classify_model).
     classified_before, llm_before = model_successes(triton, "classify_with_view"), stats(llm)["requests"]
+    finished_before = streams_finished(triton, PHOTO)
     client = grpcclient.InferenceServerClient(triton.grpc_url)
     client.start_stream(callback=lambda result, error: None)
     for _ in range(60):
@@ -291,10 +301,20 @@ def test_streams_cancelled_while_they_wait_are_not_classified(triton, llm, reque
     time.sleep(0.1)
     client.stop_stream(cancel_requests=True)
     client.close()
-    time.sleep(3)
+    # Until the model has ended all 60, however long a loaded machine takes: what it
+    # classified by then is the point. Triton may drop a request cancelled while still
+    # in its queue (it never reaches the model, nor the classifier): the count then
+    # stops short of 60, and 3 s without a change count as the end.
+    ended, still_since = streams_finished(triton, PHOTO) - finished_before, time.monotonic()
+    while ended < 60 and time.monotonic() - still_since < 3:
+        time.sleep(0.2)
+        now = streams_finished(triton, PHOTO) - finished_before
+        if now != ended:
+            ended, still_since = now, time.monotonic()
     classified = model_successes(triton, "classify_with_view") - classified_before
     called = stats(llm)["requests"] - llm_before
-    print(f"\n60 streams cancelled at 0.1 s: {classified} classified, {called} LLM calls")
+    print(f"\n60 streams cancelled at 0.1 s: {ended:.0f} ended by the model, {classified} classified, "
+          f"{called} LLM calls")
     assert classified < 45 and called <= classified, (classified, called)
     assert_complete(requests_.send(triton, PHOTO, "grpc"))  # and the model still streams
 
@@ -360,14 +380,16 @@ def test_a_client_that_closes_its_stream_stops_the_upstream_stream(triton, llm, 
     llm.admin("mode", {"mode": "ok", "chunk_ms": 50, "answer_words": 400})  # a 20 s answer
     before = stats(llm)
     closed_at = open_then_close(triton, requests_, protocol, f"Long ({uuid.uuid4().hex})")
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10
     while stats(llm)["disconnected"] == before["disconnected"] and time.monotonic() < deadline:
         time.sleep(0.02)
     after = stats(llm)
     assert after["disconnected"] == before["disconnected"] + 1, "the upstream stream was not closed"
     closed_after_s = after["disconnect_times"][-1] - closed_at
     print(f"\n{protocol}: upstream connection closed {closed_after_s * 1000:.0f} ms after the client closed")
-    assert closed_after_s < 1.0
+    # About cancel_poll_s on an idle machine; the bound leaves room for a loaded one and
+    # still tells a closed stream from the 20 s answer read to its end.
+    assert closed_after_s < 5.0
     assert after["streams_completed"] == before["streams_completed"]
 
 
@@ -459,8 +481,14 @@ def test_stream_metrics_are_exported(triton):
     for model in STREAM_MODELS:
         for histogram in ("describe_stream_time_to_labels_seconds", "describe_stream_time_to_first_token_seconds",
                           "describe_stream_duration_seconds"):
-            assert value(histogram + "_count", model) > 0
-        assert value("describe_stream_chunks_total", model) > 0
+            count = value(histogram + "_count", model)
+            assert count > 0 and value(histogram + "_bucket", model, 'le="+Inf"') == count
+        # In seconds: the streams above average about 0.2 s (about 200 in milliseconds); the session's
+        # other files (held and trickling streams of up to a few seconds) count too, hence 30.
+        average_s = value("describe_stream_duration_seconds_sum", model) / value("describe_stream_duration_seconds_count", model)
+        assert 0 < average_s < 30, average_s
+        # A first token is observed with the first chunk: at least as many chunks as first tokens.
+        assert value("describe_stream_chunks_total", model) >= value("describe_stream_time_to_first_token_seconds_count", model)
     assert value("describe_requests_total", extra='outcome="cancelled"') >= 1
     assert value("describe_requests_total", extra='outcome="partial"') >= 1
 

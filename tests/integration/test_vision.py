@@ -6,6 +6,7 @@ test checks what the LLM was shown: a JPEG, long side bounded with the aspect
 kept, EXIF orientation applied, alpha flattened on white."""
 
 import base64
+import hashlib
 import io
 import json
 import uuid
@@ -16,7 +17,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
-from .conftest import running_triton
+from tools.bench import inprocess
+
+from .conftest import STARTS_ITS_OWN_SERVER, running_triton
+from .public_models import REPO
 from .test_streaming import grpc_stream, http_stream
 
 VIEW_MAX_SIDE = 768  # preprocess's default (backends/image_preprocess/image_decode.py)
@@ -165,13 +169,28 @@ def test_bad_conversation_or_response_format_is_refused_by_field(triton, llm, na
 
 
 def test_the_photo_never_reaches_the_log_or_the_metrics(triton, llm):
-    photo = rotated_jpeg()
+    # Noise, so that no stretch of its base64 (or its view's) is shared with another JPEG's.
+    pixels = np.random.default_rng(7).integers(0, 256, size=(600, 800, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    photo = out.getvalue()
     infer(triton, "http", photo, unique("privacy"))
-    encoded = base64.b64encode(photo).decode()
+    # What travels towards the LLM is the view, a re-encoding of the photo: made here as preprocess
+    # makes it, and checked to be that very JPEG by its sha256 at the fake upstream.
+    _, view = inprocess.preprocessor(REPO / "model_repository").with_view(photo)
+    assert hashlib.sha256(view).hexdigest() == last_image(llm)["sha256"]
     text = triton.log() + triton.metrics()
-    assert "data:image" not in text and encoded[:64] not in text
+    assert "data:image" not in text and "/9j/4AAQSkZJRg" not in text  # no data URI, no JFIF start in base64
+    # The pixels' part of each (past the headers' tables, which JPEGs share): every 64 characters of
+    # the text against the base64 every 32, so any run of 96 or more is found.
+    windows = {text[at:at + 64] for at in range(len(text) - 63)}
+    for name, data in (("photo", photo), ("view", view)):
+        encoded = base64.b64encode(data).decode()
+        found = [at for at in range(1024, len(encoded) - 63, 32) if encoded[at:at + 64] in windows]
+        assert found == [], f"{len(found)} stretches of the {name}'s base64 are in the log or metrics"
 
 
+@STARTS_ITS_OWN_SERVER
 def test_vision_off_sends_no_image_and_makes_no_view(fake_llm, tmp_path):
     fake_llm.admin("reset", {})
     with running_triton(tmp_path, fake_llm, {"LLM_VISION": "off"}) as server:

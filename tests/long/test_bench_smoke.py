@@ -18,6 +18,7 @@ PERF_ANALYZER = REPO / "build/perf_analyzer/bin/perf_analyzer"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(600)  # the run's own limit is 300 s, the report's 120 s
 def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     if not PERF_ANALYZER.exists():
         pytest.fail(f"{PERF_ANALYZER} is missing: run `make perf-analyzer` (the benchmarks need it)")
@@ -88,7 +89,10 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     assert data["describe"]["triton"]["count"] == 10
     # int8 against fp32 in the same run, on every crop set the accuracy tool defines.
     assert [s["crops"] for s in data["accuracy"]["sets"]] == [10] * len(data["accuracy"]["sets"]) != []
-    assert all(0 <= s["top1_agreement"] <= 1 for s in data["accuracy"]["sets"])
+    # The crops are seeded (the same 10 every run): int8 kept fp32's top-1 on all of them here, and
+    # agrees on about 97 % of 600 (docs/results); a broken or swapped graph agrees on about none.
+    assert all(s["top1_agreement"] >= 0.7 and s["top5_overlap"] >= 0.7 for s in data["accuracy"]["sets"]), \
+        data["accuracy"]["sets"]
     # Every runtime the build has is measured in-process: TorchScript, ONNX Runtime fp32 and int8.
     assert sorted(turn["inprocess"]) == ["onnx_fp32", "onnx_int8", "torchscript"]
     assert data["tuning"][0]["name"] == "no_batching" and data["tuning"][0]["results"]

@@ -17,6 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(720)  # the soak's own limit is 600 s: two server starts, 40 s of phases, the verdict
 def test_short_soak_with_every_fault(tmp_path):
     report_path = tmp_path / "report.json"
     run = subprocess.run(

@@ -53,9 +53,10 @@ def test_window_with_no_finished_request_is_retried(tmp_path, monkeypatch):
 
 
 def test_gives_up_after_three_short_windows(tmp_path, monkeypatch):
-    stand_in(tmp_path, monkeypatch, failures=5, message=UNSTABLE)
+    calls = stand_in(tmp_path, monkeypatch, failures=5, message=UNSTABLE)
     with pytest.raises(RuntimeError, match="Failed to obtain stable measurement"):
         harness.perf_analyzer("classify", "127.0.0.1:1", tmp_path / "in.json", 2, tmp_path, window_ms=1000)
+    assert calls.read_text().split() == ["1000", "2000", "4000"], "three windows, each twice as long, then no more"
 
 
 def test_other_failures_are_not_retried(tmp_path, monkeypatch):

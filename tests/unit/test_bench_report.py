@@ -12,10 +12,12 @@ import json
 import pathlib
 import re
 import sys
+import time
 import types
 
 import pytest
 
+from tools import model_config
 from tools.bench import inprocess, report, sections
 
 FIXTURE = pathlib.Path(__file__).parent / "data/bench_results_smoke.json"
@@ -147,9 +149,37 @@ def test_in_process_layouts_spend_every_core_one_way_or_the_other():
     assert inprocess.parse_layouts("1x4,4x1,2x2") == [(1, 4), (4, 1), (2, 2)]
 
 
-def test_the_served_runtime_is_read_from_the_classifier_config():
-    runtime = inprocess.served_runtime(REPO / "model_repository")
-    assert runtime in inprocess.RUNTIMES
+def _repository_serving(tmp_path, backend, parameters):
+    """A model repository whose classifier config names `backend` and `parameters` (nothing else is read)."""
+    config = tmp_path / "classifier/config.pbtxt"
+    config.parent.mkdir(parents=True)
+    lines = ['name: "classifier"', f'backend: "{backend}"']
+    lines += [f'parameters {{ key: "{k}" value {{ string_value: "{v}" }} }}' for k, v in parameters.items()]
+    config.write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("parameters, expected", [
+    ({"runtime": "torchscript"}, "torchscript"),
+    ({"runtime": "onnxruntime", "model_file": "model.onnx"}, "onnx_fp32"),
+    ({"runtime": "onnxruntime", "model_file": "model.int8.onnx"}, "onnx_int8"),
+])
+def test_the_served_runtime_is_the_one_the_classifier_config_names(tmp_path, parameters, expected):
+    """The classify target is measured against this runtime's in-process limit: a wrong
+    answer compares the server with another runtime's limit."""
+    assert inprocess.served_runtime(_repository_serving(tmp_path, "image_classifier", parameters)) == expected
+
+
+def test_the_shipped_classifier_serves_the_runtime_its_config_names():
+    config = model_config.read(REPO / "model_repository/classifier/config.pbtxt")
+    model_file = config.parameters["model_file"].string_value
+    expected = {"model.onnx": "onnx_fp32", "model.int8.onnx": "onnx_int8"}[model_file]
+    assert inprocess.served_runtime(REPO / "model_repository") == expected
+
+
+def test_a_classifier_on_another_backend_has_no_in_process_runtime(tmp_path):
+    with pytest.raises(ValueError, match="onnxruntime"):
+        inprocess.served_runtime(_repository_serving(tmp_path, "onnxruntime", {}))
 
 
 def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch):
@@ -173,10 +203,24 @@ def test_a_failing_section_is_recorded_and_the_others_still_run(monkeypatch):
     assert events == ["reset", "reset", "good", "reset"]
 
 
-def test_a_worker_that_dies_fails_the_measurement_quickly(tmp_path):
+def test_workers_that_cannot_load_fail_the_measurement_and_say_why(tmp_path):
     # A repository without a classifier model: every worker fails to load and says why.
-    with pytest.raises(RuntimeError, match="in-process torchscript 2x1"):
+    with pytest.raises(RuntimeError, match="in-process torchscript 2x1: FileNotFoundError"):
         inprocess.measure_layout("torchscript", tmp_path, [], 2, 1, [1], 0.1)
+
+
+def test_a_worker_that_dies_fails_the_measurement_without_waiting_out_the_barrier(tmp_path):
+    """Worker 1 warms up on the photo that is not one and dies; worker 0 warmed up on
+    good photos and waits at the barrier, which the dying worker breaks: the run
+    fails at once instead of after BARRIER_TIMEOUT_S (300 s)."""
+    bad = tmp_path / "not_a_photo.jpg"
+    bad.write_bytes(b"not an image")
+    photo = REPO / "docs/sample/coffee.png"
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="in-process onnx_fp32 2x1: .*(image|decode)"):
+        inprocess.measure_layout("onnx_fp32", REPO / "model_repository", [photo, photo, bad], 2, 1, [1], 0.1)
+    # Generous (two fresh interpreters loading onnxruntime on a loaded machine), and far below 300 s.
+    assert time.monotonic() - started < inprocess.BARRIER_TIMEOUT_S / 3
 
 
 def test_the_committed_report_is_what_its_results_file_generates(tmp_path):

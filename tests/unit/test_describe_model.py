@@ -77,13 +77,38 @@ def test_execute_returns_none_and_answers_through_the_sender(fake_pb_utils_modul
         assert usage["model"] == "gpt-4o-mini" and usage["total_tokens"] > 0 and usage["cost_usd"] > 0
         assert all(r.get_response_sender().flags == [pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL] for r in reqs)
         assert fake.stats()["last_authorization"] == f"Bearer {KEY}"
+        usages = [json.loads(outputs(r.get_response_sender().wait())["USAGE"]) for r in reqs]
         assert metric(model, pb_utils, "describe_requests_total", outcome="ok") == 2
-        assert metric(model, pb_utils, "describe_prompt_tokens_total", upstream_model="gpt-4o-mini") > 0
-        assert metric(model, pb_utils, "describe_cost_usd_total", upstream_model="gpt-4o-mini") > 0
+        for family, field in (("describe_prompt_tokens_total", "prompt_tokens"),
+                              ("describe_completion_tokens_total", "completion_tokens"),
+                              ("describe_cost_usd_total", "cost_usd")):
+            billed = sum(u[field] for u in usages)
+            assert metric(model, pb_utils, family, upstream_model="gpt-4o-mini") == pytest.approx(billed, rel=1e-3)
         assert metric(model, pb_utils, "describe_fallbacks_total") is None, "a whole answer is no fallback"
     finally:
         model.finalize()
     assert not model.thread.is_alive()
+
+
+def test_the_upstream_latency_histogram_holds_one_observation_per_attempt_in_seconds(fake_pb_utils_module,
+                                                                                    monkeypatch):
+    """The fake answers after 300 ms: each attempt is observed once, at 0.3 s or a
+    little more (the upper bound is generous: a loaded machine), never 300 (ms)."""
+    pb_utils = fake_pb_utils_module
+    with ThreadedFakeOpenAI(latency_ms=300) as fake:
+        model = make_model(monkeypatch, fake.base_url)
+        try:
+            reqs = [request(pb_utils, prompt=f"latency {i}") for i in range(3)]
+            model.execute(reqs)
+            assert [outputs(r.get_response_sender().wait())["DESCRIPTION_SOURCE"] for r in reqs] == ["llm"] * 3
+            model.metrics.flush()
+        finally:
+            model.finalize()
+    series = [m for m in pb_utils.MetricFamily.families["describe_upstream_latency_seconds"].metrics
+              if m.labels.get("upstream_model") == "gpt-4o-mini" and m.labels.get("result") == "ok"]
+    observed = [value for m in series for value in m.observations]
+    assert len(observed) == 3 and all(0.29 <= value < 10 for value in observed), observed
+    assert series[0].buckets[0] < 0.3 < series[0].buckets[-1] < 300, "buckets in seconds, around a 0.3 s call"
 
 
 def test_bad_requests_get_their_own_error_and_do_not_fail_the_batch(fake_pb_utils_module, fake, monkeypatch):

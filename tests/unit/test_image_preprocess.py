@@ -12,7 +12,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from tools.model_config import read as read_model_config
-from tools.reference import bad_images, png_with_header_size
+from tools.reference import bad_images, png_with_header_size, reference_pixels
 
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
 
@@ -197,15 +197,25 @@ def test_exif_orientation_is_applied(preprocessor, orientation, size, top_left_c
 def test_transform_matches_the_reference_definition(preprocessor):
     from skimage import data_dir
 
-    from tools.reference import reference_pixels
-
     data = (pathlib.Path(data_dir) / "chelsea.png").read_bytes()
     assert np.array_equal(preprocessor(data), reference_pixels(data))
 
 
-def test_extreme_aspect_ratio_is_cropped_not_blown_up(preprocessor):
-    data = encode(solid((50, 60, 70), (8, 4000)), "PNG")
-    assert preprocessor(data).shape == (3, 224, 224)
+@pytest.mark.parametrize("tall", [True, False])
+def test_extreme_aspect_ratio_is_cropped_not_blown_up(preprocessor, tall):
+    """An 8x4000 strip: red, then an 80 px green band across the middle, then blue.
+    The classifier sees the centre square of the shorter side (7 px of green), enlarged,
+    never the whole strip squeezed into 224x224 (red, green and blue side by side)."""
+    strip = Image.new("RGB", (8, 4000), (0, 0, 255))
+    strip.paste((255, 0, 0), (0, 0, 8, 1960))
+    strip.paste((0, 255, 0), (0, 1960, 8, 2040))
+    if not tall:
+        strip = strip.transpose(Image.Transpose.ROTATE_90)
+    data = encode(strip, "PNG")
+    pixels = preprocessor(data)
+    assert pixels.shape == (3, 224, 224)
+    assert (pixels == channels((0, 255, 0)).reshape(3, 1, 1)).all(), "only the green centre"
+    assert np.array_equal(pixels, reference_pixels(data))
 
 
 # ---------------------------------------------------------------- bad input

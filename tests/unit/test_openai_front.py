@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from openai_front import app as front_app
@@ -249,22 +250,54 @@ def test_an_empty_key_file_is_an_error_not_an_open_front(tmp_path):
         settings.from_environ({"OPENAI_FRONT_API_KEY_FILE": str(tmp_path / "key")})
 
 
+def samples(text):
+    """{(sample name, sorted labels): value} of an exposition, as Prometheus's own client parses it."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(text, name, **labels):
+    return samples(text).get((name, tuple(sorted(labels.items()))))
+
+
 def test_metrics_render_counters_and_a_cumulative_histogram():
     metrics = Metrics(["m"])
     metrics.observe("m", False, 200, 0.004, {"prompt_tokens": 3, "completion_tokens": 2})
     metrics.observe("m", False, 200, 0.3)
     metrics.observe("client-chosen", True, 404, 0.001)
     metrics.error(404, "model_not_found")
+    metrics.in_flight = 3
     text = metrics.render()
-    assert 'openai_front_requests_total{model="m",stream="false",status="200"} 2' in text
-    assert 'openai_front_requests_total{model="other",stream="true",status="404"} 1' in text
+    assert value(text, "openai_front_requests_total", model="m", stream="false", status="200") == 2
+    assert value(text, "openai_front_requests_total", model="other", stream="true", status="404") == 1
     assert "client-chosen" not in text
-    assert 'openai_front_tokens_total{model="m",kind="prompt"} 3' in text
-    assert 'openai_front_request_duration_seconds_bucket{model="m",stream="false",le="0.005"} 1' in text
-    assert 'openai_front_request_duration_seconds_bucket{model="m",stream="false",le="0.25"} 1' in text
-    assert 'openai_front_request_duration_seconds_bucket{model="m",stream="false",le="0.5"} 2' in text
-    assert 'openai_front_request_duration_seconds_bucket{model="m",stream="false",le="+Inf"} 2' in text
-    assert 'openai_front_errors_total{status="404",code="model_not_found"} 1' in text
+    assert value(text, "openai_front_tokens_total", model="m", kind="prompt") == 3
+    assert value(text, "openai_front_tokens_total", model="m", kind="completion") == 2
+    bucket = "openai_front_request_duration_seconds_bucket"
+    assert value(text, bucket, model="m", stream="false", le="0.005") == 1
+    assert value(text, bucket, model="m", stream="false", le="0.25") == 1
+    assert value(text, bucket, model="m", stream="false", le="0.5") == 2
+    assert value(text, bucket, model="m", stream="false", le="+Inf") == 2
+    assert value(text, "openai_front_request_duration_seconds_count", model="m", stream="false") == 2
+    assert abs(value(text, "openai_front_request_duration_seconds_sum", model="m", stream="false") - 0.304) < 1e-9
+    assert value(text, "openai_front_errors_total", status="404", code="model_not_found") == 1
+    assert value(text, "openai_front_in_flight") == 3
+
+
+def test_the_exposed_names_are_the_ones_dashboards_use_and_no_more_of_ours():
+    """The series names are a contract (dashboards and alerts use them): a
+    prometheus_client upgrade that renames one, or adds `_created` series, fails here."""
+    metrics = Metrics(["m"])
+    metrics.observe("m", True, 200, 0.1, {"prompt_tokens": 1, "completion_tokens": 1})
+    metrics.error(503, "overloaded")
+    ours = {name for name, _ in samples(metrics.render()) if name.startswith("openai_front_")}
+    assert ours == {"openai_front_requests_total", "openai_front_errors_total", "openai_front_tokens_total",
+                    "openai_front_in_flight", "openai_front_request_duration_seconds_bucket",
+                    "openai_front_request_duration_seconds_sum", "openai_front_request_duration_seconds_count"}
+    families = {f.name: f.type for f in text_string_to_metric_families(metrics.render())}
+    assert families["openai_front_requests"] == "counter" and families["openai_front_in_flight"] == "gauge"
+    assert families["openai_front_request_duration_seconds"] == "histogram"
+    assert "process_cpu_seconds_total" in {name for name, _ in samples(metrics.render())}, "process metrics"
 
 
 def test_the_bench_section_renders_every_committed_front_run():
@@ -597,9 +630,10 @@ def test_a_client_that_leaves_while_the_front_waits_cancels_the_call_and_is_coun
             return app[front_app.METRICS].render()
 
     text = asyncio.run(main())
-    assert 'openai_front_errors_total{status="499",code="client_closed_request"} 1' in text
-    assert f'openai_front_requests_total{{model="classify_and_describe",stream="{str(stream).lower()}",status="499"}} 1' in text
-    assert "openai_front_in_flight 0" in text
+    assert value(text, "openai_front_errors_total", status="499", code="client_closed_request") == 1
+    assert value(text, "openai_front_requests_total", model="classify_and_describe", stream=str(stream).lower(),
+                 status="499") == 1
+    assert value(text, "openai_front_in_flight") == 0
 
 
 async def _post(app, payload, **server_options):
@@ -630,20 +664,55 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_bodies_past_the_limit_in_flight_are_503_with_retry_after():
+async def until(predicate, what, deadline_s=10.0):
+    """Wait for `predicate()`, polled; the deadline is generous because a loaded
+    machine may take long to accept and start reading a connection."""
+    for _ in range(int(deadline_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {deadline_s:g} s: {what}")
+
+
+def test_bodies_being_read_past_the_limit_are_503_with_retry_after_and_free_their_slots():
+    """Two real bodies held half-sent take the two slots; a third chat request is
+    refused at once, other routes are not; once both bodies arrive, both are read
+    (their own answers) and the slots are free again."""
     app = front_with(StalledPool(), max_bodies_in_flight=2)
+    payload = json.dumps(body(model="unknown")).encode()  # read and parsed, then 404: the pool is never called
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload))
+    bodies = app[front_app.BODIES]
 
     async def main():
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-            app[front_app.BODIES].now = 2  # two bodies being read
-            refused = await client.post("/v1/chat/completions", data=json.dumps(body()))
-            app[front_app.BODIES].now = 1
+            held = []
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+                writer.write(head + payload[:10])
+                await writer.drain()
+                held.append((reader, writer))
+            await until(lambda: bodies.now == 2, "two bodies being read hold two slots")
+            refused = await client.post("/v1/chat/completions", data=payload)
             models = await client.get("/v1/models")  # only chat bodies count
-            return refused.status, refused.headers.get("Retry-After"), await refused.json(), models.status
+            answers = []
+            for reader, writer in held:
+                writer.write(payload[10:])
+                await writer.drain()
+                answers.append(await asyncio.wait_for(reader.read(), 10))
+                writer.close()
+            await until(lambda: bodies.now == 0, "both slots freed")
+            served = await client.post("/v1/chat/completions", data=payload)
+            return (refused.status, refused.headers.get("Retry-After"), await refused.json(), models.status,
+                    answers, served.status)
 
-    status, retry_after, answer, models = asyncio.run(main())
+    status, retry_after, answer, models, answers, served = asyncio.run(main())
     assert status == 503 and int(retry_after) >= 1 and "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT" in answer["error"]["message"]
+    assert "reading 2 request bodies" in answer["error"]["message"]
     assert models == 200
+    assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"HTTP/1.1 404 Not Found"] * 2
+    assert all(b"model_not_found" in a for a in answers)
+    assert served == 404, "a freed slot reads the next body"
 
 
 def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch):

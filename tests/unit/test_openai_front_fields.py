@@ -35,18 +35,19 @@ class RecordingPool:
     def __init__(self):
         self.calls = []
 
-    def _record(self, kind, model, image, prompt, parameters):
-        request = triton.build_request(model, image, prompt, parameters)
+    def _record(self, kind, model, image, prompt, parameters, request_id):
+        request = triton.build_request(model, image, prompt, parameters, request_id)
         sent = {name: getattr(value, value.WhichOneof("parameter_choice")) for name, value in request.parameters.items()}
-        self.calls.append({"kind": kind, "model": model, "prompt": prompt, "parameters": sent})
+        self.calls.append({"kind": kind, "model": model, "prompt": prompt, "parameters": sent,
+                           "request_id": request.id})
         return Answer(labels=["espresso"], scores=[0.9], description="A coffee.", source="llm",
                       usage={"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
 
-    async def infer(self, model, image, prompt=None, parameters=None):
-        return self._record("infer", model, image, prompt, parameters)
+    async def infer(self, model, image, prompt=None, parameters=None, request_id=""):
+        return self._record("infer", model, image, prompt, parameters, request_id)
 
-    async def stream(self, model, image, prompt=None, parameters=None):
-        yield self._record("stream", model, image, prompt, parameters), "A coffee."
+    async def stream(self, model, image, prompt=None, parameters=None, request_id=""):
+        yield self._record("stream", model, image, prompt, parameters, request_id), "A coffee."
 
     async def close(self):
         pass

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestServer
-from test_openai_front import StalledPool, body, front_with
+from test_openai_front import StalledPool, body, front_with, until
 
 from openai_front import __main__ as front_main
 from openai_front import app as front_app
@@ -111,7 +111,8 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot():
     async def main():
         async with await serving(app) as server:
             slow = asyncio.create_task(raw_exchange(server.port, post_head(1000), b"{"))
-            await asyncio.sleep(0.2)
+            # Polled, not slept on: the slot is held from the first byte read until the deadline.
+            await until(lambda: app[front_app.BODIES].now == 1 or slow.done(), "the slow body is being read")
             held = app[front_app.BODIES].now
             status, sent, answered_s = await slow
             freed = app[front_app.BODIES].now

@@ -12,9 +12,11 @@ it runs through an admin API on the same port:
                        "huge_chars": 1000000,  # "huge": characters of the answer
                        "retry_after": 1,     # Retry-After header of "429"
                        "count": null,        # apply to the next N requests, then "ok"
+                       "hold_for": null,     # hold every request until N are in flight at once
                        "duration_s": 3}      # "refuse": stop listening this long
   GET  /_admin/stats  requests received, in flight, last Authorization header,
                       requests by Authorization header ("" when absent),
+                      recent X-Request-ID headers (request_ids; None when absent),
                       recent bodies and arrival times, disconnects (and the
                       time of each: disconnect_times), streamed answers' texts,
                       images: per request, the image parts it carried, decoded
@@ -44,6 +46,9 @@ the listener and closes open connections, so new connections are refused,
 then listens again after `duration_s` (the admin API is unreachable while it
 does not listen). "hang" holds the request until the client goes away.
 Each "ok" answer is numbered, so a test can tell a cached answer from a new one.
+"hold_for": N holds each request (before latency_ms) until N are in flight at
+once, then lets them all go: a test of concurrency waits for that event rather
+than hoping that a latency outlasts its slowest request's arrival.
 """
 
 import asyncio
@@ -115,16 +120,21 @@ class FakeOpenAI:
         self.huge_chars = 1_000_000
         self.retry_after = 1.0
         self.count = None
+        self.hold_for = None
+        self._held = asyncio.Event()
         self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
                       "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
                       "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0,
-                      "images": []}
+                      "images": [], "request_ids": []}
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
-                 chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None):
+                 chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None, hold_for=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
+        if hold_for is not None:
+            self.hold_for = int(hold_for)
+            self._held = asyncio.Event()
         self.mode = mode
         self.count = count
         if latency_ms is not None:
@@ -168,6 +178,7 @@ class FakeOpenAI:
         authorization = stats["last_authorization"] or ""
         stats["authorizations"][authorization] = stats["authorizations"].get(authorization, 0) + 1
         stats["arrivals"] = (stats["arrivals"] + [time.time()])[-RECENT:]
+        stats["request_ids"] = (stats["request_ids"] + [request.headers.get("X-Request-ID")])[-RECENT:]
         if request.transport is not None:
             self._transports.add(request.transport)
         mode = self._take_mode()
@@ -177,6 +188,10 @@ class FakeOpenAI:
             images = _image_parts(body)
             stats["images"] = (stats["images"] + [images])[-RECENT:]
             stats["bodies"] = (stats["bodies"] + [_without_data_uris(body)])[-RECENT:]
+            if self.hold_for is not None:
+                if stats["in_flight"] >= self.hold_for:
+                    self._held.set()
+                await self._held.wait()
             if self.latency_ms:
                 await asyncio.sleep(self.latency_ms / 1000.0)
             if mode == "no_vision" and images:
@@ -312,7 +327,8 @@ class FakeOpenAI:
         try:
             self.set_mode(payload.get("mode", "ok"), payload.get("latency_ms"), payload.get("retry_after"),
                           payload.get("count"), payload.get("duration_s", 3.0), payload.get("chunk_ms"),
-                          payload.get("answer_words"), payload.get("cut_after"), payload.get("huge_chars"))
+                          payload.get("answer_words"), payload.get("cut_after"), payload.get("huge_chars"),
+                          payload.get("hold_for"))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(self._describe_mode())
@@ -327,7 +343,7 @@ class FakeOpenAI:
     def _describe_mode(self):
         return {"mode": self.mode, "latency_ms": self.latency_ms, "chunk_ms": self.chunk_ms,
                 "answer_words": self.answer_words, "cut_after": self.cut_after, "huge_chars": self.huge_chars,
-                "retry_after": self.retry_after,
+                "retry_after": self.retry_after, "hold_for": self.hold_for,
                 "count": self.count}
 
 

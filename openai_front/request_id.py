@@ -1,0 +1,1 @@
+../backends/openai_describe/request_id.py
