@@ -3,10 +3,10 @@ and the numbers that must agree across files do.
 
 kustomize is not needed: `render()` below applies what our kustomizations use
 (resources, images, labels, strategic-merge patches that merge lists of
-objects by `name`, JSON 6902 add/replace). `kubectl kustomize deploy/overlays/<x>`
+objects by `name`, JSON 6902 add/replace, configMapGenerator from files). `kubectl kustomize deploy/overlays/<x>`
 gives the same objects where kubectl is installed.
 
-ServiceMonitor, ServingRuntime and InferenceService are CRDs: their schemas
+ServiceMonitor, PrometheusRule, ServingRuntime and InferenceService are CRDs: their schemas
 are not in kubernetes-validate's core set, so they get a structural check
 (apiVersion, kind, name, the fields the controllers need) instead.
 """
@@ -100,6 +100,13 @@ def render(directory):
             docs = [strategic_merge(d, body)
                     if (d["kind"], d["metadata"]["name"]) == (body["kind"], body["metadata"]["name"]) else d
                     for d in docs]
+    for generator in kustomization.get("configMapGenerator", []):
+        options = generator.get("options", {})
+        assert options.get("disableNameSuffixHash"), "render() does not compute kustomize's name hash"
+        data = {pathlib.Path(f).name: (directory / f).read_text() for f in generator.get("files", [])}
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": {"name": generator["name"], "labels": dict(options.get("labels", {}))},
+                     "data": data})
     for label in kustomization.get("labels", []):
         assert not label.get("includeSelectors") and not label.get("includeTemplates"), \
             "render() only knows metadata labels"
@@ -232,6 +239,56 @@ def test_servicemonitor_and_adapter_rule_match_the_deployment():
         for series in re.findall(r"\b(nv_\w+)\{", rule["seriesQuery"] + rule["metricsQuery"]):
             assert series in {"nv_inference_queue_duration_us", "nv_inference_request_success",
                               "nv_inference_pending_request_count"}, series
+
+
+def test_the_dashboard_configmap_is_what_grafanas_sidecar_loads():
+    """deploy/monitoring/grafana: the dashboard JSON as a ConfigMap labelled for
+    the sidecar (kube-prometheus-stack's default label), generated from the
+    one JSON file; its queries are checked against a live Prometheus in
+    tests/integration/test_dashboard_queries.py."""
+    source = DEPLOY / "monitoring/grafana/classify-describe.json"
+    (configmap,) = render(DEPLOY / "monitoring/grafana")
+    kubernetes_validate.validate(configmap, K8S_VERSIONS[-1], strict=True)
+    assert configmap["metadata"]["labels"] == {"grafana_dashboard": "1"}
+    assert configmap["data"] == {source.name: source.read_text()}
+    # `kubectl apply` keeps the whole object in an annotation limited to 256 KiB.
+    assert len(source.read_bytes()) < 200 * 1024
+    dashboard = json.loads(source.read_text())
+    assert dashboard["uid"] == "classify-describe"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    panels = [p for top in dashboard["panels"] for p in [top, *top.get("panels", [])] if p["type"] != "row"]
+    for panel in panels:  # no data source name baked in: the importer's own Prometheus
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+    provisioning = yaml.safe_load((DEPLOY / "monitoring/grafana/provisioning-dashboards.yaml").read_text())
+    assert provisioning["providers"][0]["type"] == "file"
+
+
+def test_the_prometheusrule_is_picked_by_the_same_selector_as_the_servicemonitor():
+    """Its alerts are tested with promtool (tests/test_alert_rules.py); here the
+    CRD's shape: kube-prometheus-stack selects rules and monitors by the same
+    release label, so both carry the same labels."""
+    rule = load_docs(DEPLOY / "monitoring/prometheusrule.yaml")[0]
+    monitor = load_docs(DEPLOY / "monitoring/servicemonitor.yaml")[0]
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert rule["metadata"]["labels"] == monitor["metadata"]["labels"]
+    assert set(rule["spec"]) == {"groups"}
+    for group in rule["spec"]["groups"]:
+        for alert in group["rules"]:
+            assert {"alert", "expr", "for", "labels", "annotations"} <= alert.keys(), alert.get("alert")
+
+
+def test_every_repository_path_named_in_deploy_exists():
+    """Comments send the reader to other files; a renamed file must not leave
+    them pointing at nothing."""
+    pattern = re.compile(r"\b(?:deploy|docs|tools|tests|serving|scripts|backends|openai_front)/[\w./-]+"
+                         r"\.(?:yaml|yml|md|py|json|sh|txt)\b")
+    named = {(path.relative_to(REPO), name) for path in DEPLOY.rglob("*") if path.is_file()
+             for name in pattern.findall(path.read_text())}
+    assert len(named) >= 10
+    missing = sorted(f"{path}: {name}" for path, name in named if not (REPO / name).exists())
+    assert not missing, missing
 
 
 # -- what must agree across files ---------------------------------------------

@@ -5,12 +5,11 @@ Debian's binary, and the shipped shedding config run as our own child."""
 import os
 import pathlib
 import re
-import shutil
 import subprocess
-import sys
 import time
 
 from serving.procfs import http_json
+from tools import debian_package
 from tools.local_stack import free_port, stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -19,24 +18,12 @@ TEMP_DIRS = ("body", "proxy", "fastcgi", "uwsgi", "scgi")
 
 
 def find_or_unpack():
-    """Debian's nginx: the installed one, else the package unpacked into build/nginx.
-    `dpkg -x` runs no maintainer script, so no system service is started (an
-    `apt-get install` would start one on port 80)."""
-    for candidate in (shutil.which("nginx"), "/usr/sbin/nginx", REPO / "build/nginx/usr/sbin/nginx"):
-        if candidate and os.access(candidate, os.X_OK):
-            return str(candidate)
-    target = REPO / "build/nginx"
-    debs = target / "deb"
-    debs.mkdir(parents=True, exist_ok=True)
-    print("nginx not found; fetching Debian's package into build/nginx (apt-get download + dpkg -x)",
-          file=sys.stderr, flush=True)
-    fetch = subprocess.run(["apt-get", "download", "nginx"], cwd=debs, capture_output=True, text=True)
-    if fetch.returncode != 0:
-        raise SystemExit("could not fetch nginx; install it (apt-get install -y nginx, "
-                         f"then stop the service it starts) or run apt-get update:\n{fetch.stderr}")
-    deb = sorted(debs.glob("nginx_*.deb"))[-1]
-    subprocess.run(["dpkg", "-x", str(deb), str(target)], check=True)
-    return str(target / "usr/sbin/nginx")
+    """Debian's nginx: the installed one, else the package unpacked into build/nginx
+    (tools/debian_package: no maintainer script, so no system service on port 80)."""
+    try:
+        return debian_package.find_or_unpack("nginx", "usr/sbin/nginx", system=("nginx", "/usr/sbin/nginx"))
+    except debian_package.PackageUnavailable as error:
+        raise SystemExit(f"nginx: {error}") from None
 
 
 def prepare_workdir(workdir):

@@ -37,6 +37,12 @@ class Metrics(Observer):
         self.completion_tokens = family("describe_completion_tokens_total",
                                         "Completion tokens billed upstream", family.COUNTER)
         self.cost = family("describe_cost_usd_total", "Upstream cost in US dollars", family.COUNTER)
+        # outcome says how the request was answered without a whole LLM text; reason
+        # is the describer's fixed failure name (timeout, circuit_open, rate_limited_http_429...),
+        # never free text, so the series stay few.
+        self.fallbacks = family("describe_fallbacks_total",
+                                "Requests answered without a whole LLM text (fallback, partial, error), "
+                                "by outcome and reason", family.COUNTER)
         self.latency = family("describe_upstream_latency_seconds",
                               "Latency of each upstream attempt, by result", family.HISTOGRAM)
         self.circuit_state = family("describe_circuit_state",
@@ -122,6 +128,9 @@ class Metrics(Observer):
 
     def request_done(self, model, outcome, usage):
         self._add(self._metric(self.requests, outcome=outcome), 1)
+        if usage is not None and usage.fallback_reason:
+            self._add(self._metric(self.fallbacks, upstream_model=model, outcome=outcome,
+                                   reason=usage.fallback_reason), 1)
         if usage is not None and usage.total_tokens:
             self._add(self._metric(self.prompt_tokens, upstream_model=model), usage.prompt_tokens)
             self._add(self._metric(self.completion_tokens, upstream_model=model), usage.completion_tokens)

@@ -84,6 +84,7 @@ def test_execute_returns_none_and_answers_through_the_sender(fake_pb_utils_modul
                               ("describe_cost_usd_total", "cost_usd")):
             billed = sum(u[field] for u in usages)
             assert metric(model, pb_utils, family, upstream_model="gpt-4o-mini") == pytest.approx(billed, rel=1e-3)
+        assert metric(model, pb_utils, "describe_fallbacks_total") is None, "a whole answer is no fallback"
     finally:
         model.finalize()
     assert not model.thread.is_alive()
@@ -154,6 +155,7 @@ def test_without_a_key_it_serves_fallbacks_and_says_so_once(fake_pb_utils_module
             out = outputs(r.get_response_sender().wait())
             assert out["DESCRIPTION_SOURCE"] == "fallback" and out["DESCRIPTION"].startswith("Most likely a tabby")
             assert json.loads(out["USAGE"])["fallback_reason"] == "no_api_key"
+        assert metric(model, pb_utils, "describe_fallbacks_total", outcome="fallback", reason="no_api_key") == 3
         hints = [m for _, m in pb_utils.Logger.records if "LLM_API_KEY" in m and "LLM_BASE_URL" in m]
         assert len(hints) == 1 and "API_KEY_REQUIRED=false" in hints[0]
         assert fake.stats()["requests"] == 0
@@ -182,6 +184,8 @@ def test_on_failure_error_sends_unavailable(fake_pb_utils_module, fake, monkeypa
         response = req.get_response_sender().wait()
         assert response.error().code() == pb_utils.TritonError.UNAVAILABLE
         assert "http_500" in response.error().message()
+        assert metric(model, pb_utils, "describe_fallbacks_total", upstream_model="gpt-4o-mini",
+                      outcome="error", reason="upstream_error_http_500") == 1
     finally:
         fake.set_mode("ok")
         model.finalize()
