@@ -46,6 +46,10 @@ def find_or_unpack(package, binary, version=None, system=()):
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{package}-") as scratch:
         spec = f"{package}={version}" if version else package
         fetch = subprocess.run(["apt-get", "download", spec], cwd=scratch, capture_output=True, text=True)
+        if fetch.returncode != 0 and os.geteuid() == 0:
+            # A fresh machine may have no package lists yet; as root, read them once and retry.
+            subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+            fetch = subprocess.run(["apt-get", "download", spec], cwd=scratch, capture_output=True, text=True)
         if fetch.returncode != 0:
             raise PackageUnavailable(f"could not fetch Debian's {spec} (apt-get download): run apt-get update, "
                                      f"or install it yourself:\n{fetch.stderr.strip()}")
