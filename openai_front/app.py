@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from . import chat, fetch, responses
+from . import chat, fetch, responses, trace_context
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
 from .triton import TritonPool, request_parameters
@@ -207,7 +207,8 @@ async def chat_completions(request):
             finally:
                 app[STREAMS].discard(asyncio.current_task())
             return response
-        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed))
+        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed),
+                                       trace_context.grpc_metadata(request.headers))
         usage, status = answer.usage, 200
         return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
     except FrontError as error:
@@ -231,8 +232,8 @@ async def _stream(request, model, parsed, image):
     or an unavailable server is still an HTTP status; later errors go as an
     `error` event (the openai SDK raises it) and the stream ends without [DONE]."""
     pool = request.app[POOL]
-    async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt,
-                                               request_parameters(parsed))) as events:
+    async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt, request_parameters(parsed),
+                                               trace_context.grpc_metadata(request.headers))) as events:
         try:
             answer, text = await events.__anext__()
         except StopAsyncIteration:

@@ -194,10 +194,11 @@ class TritonPool:
     def _stub(self):
         return next(self._next)._client_stub
 
-    async def infer(self, model, image, prompt=None, parameters=None):
+    async def infer(self, model, image, prompt=None, parameters=None, metadata=()):
+        """metadata: gRPC metadata for Triton (the client's trace context, trace_context.py)."""
         request = build_request(model, image, prompt, parameters)
         try:
-            response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s)
+            response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s, metadata=metadata)
         except grpc.RpcError as error:
             raise front_error(error) from None
         except asyncio.CancelledError:
@@ -209,7 +210,7 @@ class TritonPool:
         read_outputs(InferResult(response), answer)
         return answer
 
-    async def stream(self, model, image, prompt=None, parameters=None):
+    async def stream(self, model, image, prompt=None, parameters=None, metadata=()):
         """Yield (answer so far, the text chunk it just got) per response of the
         decoupled model; the stream ends after the model's final response
         (one request, then the request side closes)."""
@@ -218,7 +219,7 @@ class TritonPool:
         async def one_request():
             yield request
 
-        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s)
+        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s, metadata=metadata)
         answer = Answer()
         try:
             async for response in call:

@@ -21,6 +21,8 @@
 #                         TRITON_ADMIN_KEY_GENERATED_FILE moves it). Inference, health,
 #                         metadata, config and statistics stay open. The restriction
 #                         itself is always on: serving/supervise_tritonserver.sh.
+#   TRITON_TRACE_OTLP_ENDPOINT=http://collector:4318/v1/traces  OpenTelemetry traces (off
+#                         when unset), TRITON_TRACE_RATE=1000: see serving/supervise_tritonserver.sh
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
 #                         see serving/supervise_tritonserver.sh and docs/reliability.md
 set -euo pipefail

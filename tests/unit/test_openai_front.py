@@ -327,13 +327,13 @@ class FakeStub:
     def __init__(self, fail=None, responses=()):
         self.fail, self.responses, self.calls = fail, list(responses), []
 
-    async def ModelInfer(self, request, timeout=None):  # noqa: N802 - the stub's own name
+    async def ModelInfer(self, request, timeout=None, metadata=()):  # noqa: N802 - the stub's own name
         self.calls.append(("infer", request))
         if self.fail is not None:
             raise self.fail
         await asyncio.sleep(3600)
 
-    def ModelStreamInfer(self, requests, timeout=None):  # noqa: N802
+    def ModelStreamInfer(self, requests, timeout=None, metadata=()):  # noqa: N802
         stub = self
 
         class Call:
