@@ -64,6 +64,9 @@ class Job:
     vision_skipped: str = None
     conversation: tuple = ()    # ((role, content), ...): the client's system messages and earlier turns
     response_format: dict = None  # OpenAI's response_format object, passed on as it came
+    # ((header, value), ...) sent with the upstream call: the W3C trace context, or ().
+    # Not part of what is asked: two Jobs differing only here are the same question.
+    trace: tuple = dataclasses.field(default=(), compare=False)
 
     @property
     def model(self):
@@ -84,6 +87,10 @@ class Job:
 
     def text_only(self, reason):
         return dataclasses.replace(self, image=None, vision_skipped=reason)
+
+    def options(self, timeout):
+        """The SDK's per-call options: the attempt's timeout and the trace headers."""
+        return {"timeout": timeout, "headers": dict(self.trace)} if self.trace else {"timeout": timeout}
 
     def body(self, messages, **extra):
         """The chat-completions request body."""
@@ -147,7 +154,7 @@ class WholeAnswer:
         # auth, errors and parsing as chat.completions.create(), without its
         # per-call TypedDict transform of the body (about 1 ms of CPU per call
         # here, on the path of every request).
-        response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options={"timeout": timeout},
+        response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options=c.job.options(timeout),
                                               body=c.job.body(c.messages)), timeout)
         c.bill(getattr(response, "usage", None))  # an answer we cannot use is billed all the same
         return _answer_text(response), finish_reason_of(response)

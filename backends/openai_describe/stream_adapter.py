@@ -217,7 +217,8 @@ class PhotoStreamAdapter(StreamAdapter):
         view = pb_utils.get_output_tensor_by_name(response, "VIEW")
         try:
             job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings,
-                              view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue)
+                              view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue,
+                              work.trace)
         except (io.InvalidInput, PromptError) as exc:
             # The PROMPT passed these checks in execute(): what fails is the classifier's
             # output (a bring-your-own one with long labels or NaN scores), the server's fault.

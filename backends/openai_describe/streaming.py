@@ -36,7 +36,7 @@ class StreamedAnswer:
         end = c.clock() + timeout
         stream = await c.wait(c.client.post(
             "/chat/completions", cast_to=ChatCompletionChunk, stream=True, stream_cls=AsyncStream[ChatCompletionChunk],
-            options={"timeout": timeout},
+            options=c.job.options(timeout),
             body=c.job.body(c.messages, stream=True, stream_options={"include_usage": True})), timeout)
         self.billed, self.read_chars = False, 0
         try:
