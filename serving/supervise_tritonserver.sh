@@ -193,8 +193,9 @@ if [[ -n "${TRITON_TRACE_OTLP_ENDPOINT:-}" ]]; then
               "--trace-config=opentelemetry,resource=service.name=${TRITON_TRACE_SERVICE_NAME:-classify-describe}"
   trace_host="${TRITON_TRACE_OTLP_ENDPOINT#*://}" trace_host="${trace_host%%[/?#]*}"
   # The host only: a URL's user, path or query may hold a collector's token.
-  echo "serve: tracing on: OpenTelemetry spans to ${trace_host##*@}, every ${trace_rate}th request" \
-       "and every request with a traceparent" >&2
+  others=""
+  (( trace_rate == 0 )) || others=" and 1 in $trace_rate of the others"
+  echo "serve: tracing on: OpenTelemetry spans to ${trace_host##*@}; traced: requests with a traceparent$others" >&2
 fi
 
 # Where the supervisor tells the streaming models that the server is stopping.

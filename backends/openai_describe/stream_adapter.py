@@ -203,6 +203,8 @@ class PhotoStreamAdapter(StreamAdapter):
         one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
         if cancelled.refresh():  # it waited for a thread: the client may have gone meanwhile
             return None
+        # Without trace=: the request was released when execute() returned (decoupled),
+        # and a BLS call traced under it crashed Triton 2.51 (SIGSEGV in the release).
         # VIEW (the photo as the LLM sees it) only when the LLM may see it.
         wanted = ["LABELS", "SCORES"] + (["VIEW"] if self.settings.vision != "off" else [])
         response = pb_utils.InferenceRequest(
