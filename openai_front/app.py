@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from . import access_log, chat, fetch, request_id, responses
+from . import access_log, chat, fetch, request_id, responses, trace_context
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
 from .shedding import Admission
@@ -220,7 +220,8 @@ async def chat_completions(request):
                 app[STREAMS].discard(asyncio.current_task())
             return response
         answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed),
-                                       request_id=request_id.of(request))
+                                       request_id=request_id.of(request),
+                                       metadata=trace_context.grpc_metadata(request.headers))
         usage, status = answer.usage, 200
         return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
     except FrontError as error:
@@ -245,7 +246,8 @@ async def _stream(request, model, parsed, image):
     `error` event (the openai SDK raises it) and the stream ends without [DONE]."""
     pool = request.app[POOL]
     async with contextlib.aclosing(pool.stream(model.stream_model, image, parsed.prompt, request_parameters(parsed),
-                                               request_id=request_id.of(request))) as events:
+                                               request_id=request_id.of(request),
+                                               metadata=trace_context.grpc_metadata(request.headers))) as events:
         try:
             answer, text = await events.__anext__()
         except StopAsyncIteration:

@@ -176,7 +176,7 @@ def _call_cancelled():
 def inference_metadata(key):
     """The gRPC metadata of every inference call: the key's header where Triton
     restricts inference (TRITON_INFERENCE_KEY), else none. Health stays open."""
-    return ((INFERENCE_KEY_HEADER, key),) if key else None
+    return ((INFERENCE_KEY_HEADER, key),) if key else ()
 
 
 class TritonPool:
@@ -206,11 +206,12 @@ class TritonPool:
     def _stub(self):
         return next(self._next)._client_stub
 
-    async def infer(self, model, image, prompt=None, parameters=None, request_id=""):
+    async def infer(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
+        """metadata: more gRPC metadata for Triton (the client's trace context, trace_context.py)."""
         request = build_request(model, image, prompt, parameters, request_id)
         try:
             response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s,
-                                                     metadata=self._metadata)
+                                                     metadata=(*self._metadata, *metadata))
         except grpc.RpcError as error:
             raise front_error(error) from None
         except asyncio.CancelledError:
@@ -222,7 +223,7 @@ class TritonPool:
         read_outputs(InferResult(response), answer)
         return answer
 
-    async def stream(self, model, image, prompt=None, parameters=None, request_id=""):
+    async def stream(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
         """Yield (answer so far, the text chunk it just got) per response of the
         decoupled model; the stream ends after the model's final response
         (one request, then the request side closes)."""
@@ -231,7 +232,8 @@ class TritonPool:
         async def one_request():
             yield request
 
-        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s, metadata=self._metadata)
+        call = self._stub().ModelStreamInfer(one_request(), timeout=self.timeout_s,
+                                             metadata=(*self._metadata, *metadata))
         answer = Answer()
         try:
             async for response in call:

@@ -24,6 +24,8 @@
 #   TRITON_INFERENCE_KEY=... or TRITON_INFERENCE_KEY_FILE=<file>: off by default; with
 #                         one, inference too needs header `inference-key: <key>` (gRPC:
 #                         `triton-grpc-protocol-inference-key`); the front sends it.
+#   TRITON_TRACE_OTLP_ENDPOINT=http://collector:4318/v1/traces  OpenTelemetry traces (off
+#                         when unset), TRITON_TRACE_RATE=1000: see serving/supervise_tritonserver.sh
 #   STUB_WATCHDOG=1       reload a model whose Python stub process died (0: off);
 #                         see serving/supervise_tritonserver.sh and docs/reliability.md
 set -euo pipefail

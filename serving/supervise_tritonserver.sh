@@ -57,6 +57,13 @@
 #   OPENAI_PORT=8003            its port, on the HTTP endpoint's address; it talks to
 #                               this server's gRPC port. OPENAI_FRONT_API_KEY(_FILE)
 #                               and the rest: openai_front/settings.py
+# Tracing (docs/tracing.md), off unless an endpoint is given:
+#   TRITON_TRACE_OTLP_ENDPOINT  an OTLP/HTTP collector's traces URL, e.g.
+#                               http://otel-collector:4318/v1/traces: Triton exports
+#                               OpenTelemetry spans there (--trace-config mode=opentelemetry)
+#   TRITON_TRACE_RATE=1000      trace every N-th request; a request that carries a W3C
+#                               `traceparent` is traced whatever the rate (0: only those)
+#   TRITON_TRACE_SERVICE_NAME=classify-describe  the spans' service.name
 # Stop (INT/TERM), in order and bounded: the front stops accepting, ends its open
 # streams at once and lets whole answers finish (OPENAI_FRONT_DRAIN_S, default 5;
 # killed FRONT_STOP_GRACE_S=3 after that); only then does tritonserver get TERM,
@@ -212,6 +219,26 @@ else
     echo "serve: TRITON_INFERENCE_KEY_FILE=$TRITON_INFERENCE_KEY_FILE does not exist (the Secret is optional)" >&2
   echo "serve: inference is open to whoever reaches the HTTP and gRPC ports (TRITON_INFERENCE_KEY_FILE" \
        "or TRITON_INFERENCE_KEY restricts it)" >&2
+fi
+
+# -- tracing ------------------------------------------------------------------
+# Set at start only: Triton cannot change OpenTelemetry settings while it runs,
+# and the trace API that could is restricted above anyway.
+if [[ -n "${TRITON_TRACE_OTLP_ENDPOINT:-}" ]]; then
+  [[ "$TRITON_TRACE_OTLP_ENDPOINT" =~ ^https?://[^[:space:],]+$ ]] || {
+    echo "serve: TRITON_TRACE_OTLP_ENDPOINT must be an http(s):// URL (an OTLP/HTTP collector's" \
+         "traces URL, e.g. http://otel-collector:4318/v1/traces)" >&2; exit 1; }
+  trace_rate="${TRITON_TRACE_RATE:-1000}"
+  [[ "$trace_rate" =~ ^[0-9]+$ ]] || { echo "serve: TRITON_TRACE_RATE must be a whole number (0: only requests with a traceparent)" >&2; exit 1; }
+  # TIMESTAMPS is the only level OpenTelemetry mode has; count=-1: never stop tracing.
+  set -- "$@" --trace-config=mode=opentelemetry --trace-config=level=TIMESTAMPS --trace-config=count=-1 \
+              "--trace-config=rate=$trace_rate" "--trace-config=opentelemetry,url=$TRITON_TRACE_OTLP_ENDPOINT" \
+              "--trace-config=opentelemetry,resource=service.name=${TRITON_TRACE_SERVICE_NAME:-classify-describe}"
+  trace_host="${TRITON_TRACE_OTLP_ENDPOINT#*://}" trace_host="${trace_host%%[/?#]*}"
+  # The host only: a URL's user, path or query may hold a collector's token.
+  others=""
+  (( trace_rate == 0 )) || others=" and 1 in $trace_rate of the others"
+  echo "serve: tracing on: OpenTelemetry spans to ${trace_host##*@}; traced: requests with a traceparent$others" >&2
 fi
 
 # Where the supervisor tells the streaming models that the server is stopping.

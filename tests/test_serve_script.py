@@ -2,6 +2,7 @@
 serving/supervise_tritonserver.sh (what serve.sh execs and the container runs)
 announces readiness, runs the stub watchdog and forwards TERM."""
 
+import json
 import os
 import pathlib
 import signal
@@ -278,3 +279,42 @@ def test_a_front_that_dies_later_stops_the_server_and_fails_the_supervisor(tmp_p
     assert (tmp_path / "got_term").read_text() == "TERM", "the server is stopped"
     assert not pathlib.Path(f"/proc/{watchdogs[0]}").exists(), "the watchdog stops with the server"
     assert_group_gone(supervisor.pid)
+
+
+def run_with_args_dump(tmp_path, **env):
+    """The supervisor on a stand-in server that writes its arguments and exits 0:
+    (the supervisor's exit status, its stderr, the server's arguments or None)."""
+    dump = tmp_path / "args"
+    server = tmp_path / "dump_args.py"
+    server.write_text("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n")
+    result = subprocess.run(
+        [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(server), str(dump), "--http-port=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={"PATH": VENV_PATH, "TMPDIR": str(tmp_path), "STUB_WATCHDOG": "0", "OPENAI_FRONT": "0",
+             "TRITON_ADMIN_KEY": "k" * 32, **env})
+    return result.returncode, result.stderr, json.loads(dump.read_text()) if dump.exists() else None
+
+
+def test_tracing_is_off_without_an_endpoint_and_on_with_one(tmp_path):
+    status, _, args = run_with_args_dump(tmp_path)
+    assert status == 0 and not [a for a in args if a.startswith("--trace")]
+    status, stderr, args = run_with_args_dump(
+        tmp_path, TRITON_TRACE_OTLP_ENDPOINT="http://user:token@collector:4318/v1/traces?key=secret",
+        TRITON_TRACE_RATE="0")
+    assert status == 0, stderr
+    assert [a for a in args if a.startswith("--trace")] == [
+        "--trace-config=mode=opentelemetry", "--trace-config=level=TIMESTAMPS", "--trace-config=count=-1",
+        "--trace-config=rate=0", "--trace-config=opentelemetry,url=http://user:token@collector:4318/v1/traces?key=secret",
+        "--trace-config=opentelemetry,resource=service.name=classify-describe"]
+    assert "tracing on: OpenTelemetry spans to collector:4318; traced: requests with a traceparent\n" in stderr
+    assert "token" not in stderr and "secret" not in stderr, "the log names the host only"
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"TRITON_TRACE_OTLP_ENDPOINT": "collector:4318"}, "TRITON_TRACE_OTLP_ENDPOINT must be an http(s):// URL"),
+    ({"TRITON_TRACE_OTLP_ENDPOINT": "http://c:4318/v1/traces", "TRITON_TRACE_RATE": "1e3"},
+     "TRITON_TRACE_RATE must be a whole number"),
+])
+def test_bad_trace_settings_stop_the_start_with_the_reason(tmp_path, env, says):
+    status, stderr, args = run_with_args_dump(tmp_path, **env)
+    assert status == 1 and says in stderr and args is None, stderr

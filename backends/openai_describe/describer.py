@@ -67,6 +67,9 @@ class Job:
     response_format: dict = None  # OpenAI's response_format object, passed on as it came
     # Triton's request id (request_id.py): sent to the upstream as X-Request-ID, never part of the cache key.
     request_id: str = ""
+    # ((header, value), ...) sent with the upstream call: the W3C trace context, or ().
+    # Not part of what is asked: two Jobs differing only here are the same question.
+    trace: tuple = dataclasses.field(default=(), compare=False)
 
     @property
     def model(self):
@@ -97,8 +100,10 @@ class Job:
         return {**body, **extra}
 
     def options(self, timeout):
-        """The SDK's request options of one attempt: its timeout, and the request id for the upstream's logs."""
-        return {"timeout": timeout, **({"headers": {HEADER: self.request_id}} if self.request_id else {})}
+        """The SDK's request options of one attempt: its timeout, and as headers the
+        request id (for the upstream's logs) and the W3C trace context."""
+        headers = {**({HEADER: self.request_id} if self.request_id else {}), **dict(self.trace)}
+        return {"timeout": timeout, **({"headers": headers} if headers else {})}
 
 
 @dataclass(frozen=True)

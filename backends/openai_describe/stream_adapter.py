@@ -203,6 +203,8 @@ class PhotoStreamAdapter(StreamAdapter):
         one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
         if cancelled.refresh():  # it waited for a thread: the client may have gone meanwhile
             return None
+        # Without trace=: the request was released when execute() returned (decoupled),
+        # and a BLS call traced under it crashed Triton 2.51 (SIGSEGV in the release).
         # VIEW (the photo as the LLM sees it) only when the LLM may see it.
         wanted = ["LABELS", "SCORES"] + (["VIEW"] if self.settings.vision != "off" else [])
         response = pb_utils.InferenceRequest(
@@ -218,7 +220,7 @@ class PhotoStreamAdapter(StreamAdapter):
         try:
             job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings,
                               view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue,
-                              work.request_id)
+                              work.request_id, work.trace)
         except (io.InvalidInput, PromptError) as exc:
             # The PROMPT passed these checks in execute(): what fails is the classifier's
             # output (a bring-your-own one with long labels or NaN scores), the server's fault.

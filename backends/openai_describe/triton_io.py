@@ -52,6 +52,7 @@ class PhotoJob:
     overrides: Overrides
     dialogue: "Dialogue"
     request_id: str = ""
+    trace: tuple = ()  # upstream_trace(request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +92,10 @@ def read_jobs(request, settings, request_models):
                            "must have the same non-empty shape", "LABELS")
     overrides, dialogue = read_parameters(request, settings)
     request_id = read_request_id(request)
+    trace = upstream_trace(request)
     jobs = [job_from(labels[row], scores[row], prompts[row].reshape(-1)[0] if prompts is not None else None,
                      overrides, settings, views[row].reshape(-1)[0] if views is not None else None, dialogue,
-                     request_id)
+                     request_id, trace)
             for row in range(labels.shape[0])]
     # Last, so that a request refused for another reason takes no place under the cap.
     request_models.admit(overrides.model)
@@ -111,10 +113,28 @@ def read_photo_job(request, settings, request_models):
     read_prompt(prompt, settings.max_prompt_chars)
     overrides, dialogue = read_parameters(request, settings)
     request_models.admit(overrides.model)
-    return PhotoJob(_photo(image), prompt, overrides, dialogue, read_request_id(request))
+    return PhotoJob(_photo(image), prompt, overrides, dialogue, read_request_id(request), upstream_trace(request))
 
 
-def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dialogue=Dialogue(), request_id=""):
+def upstream_trace(request):
+    """The W3C trace context to send the LLM upstream with this request's call:
+    ((header, value), ...), or () when Triton is not tracing this request. Its
+    parent is Triton's span for this model step (what request.trace() holds in
+    OpenTelemetry mode), so the upstream's spans join the request's trace under
+    this step (docs/tracing.md)."""
+    context = request.trace().get_context()
+    if not context:
+        return ()
+    try:
+        fields = json.loads(context)
+    except ValueError:
+        return ()
+    return tuple((name, fields[name]) for name in ("traceparent", "tracestate")
+                 if isinstance(fields.get(name), str) and fields[name])
+
+
+def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dialogue=Dialogue(), request_id="",
+             trace=()):
     row_scores = tuple(float(x) for x in scores)
     if not all(math.isfinite(x) for x in row_scores):
         raise InvalidInput("SCORES must be finite", "SCORES")
@@ -122,7 +142,8 @@ def job_from(labels, scores, raw_prompt, overrides, settings, raw_view=None, dia
     image, skipped = read_view(raw_view, settings)
     return Job(labels=read_labels(labels, settings), scores=row_scores,
                prompt=prompt or settings.default_prompt, overrides=overrides, image=image, vision_skipped=skipped,
-               conversation=dialogue.conversation, response_format=dialogue.response_format, request_id=request_id)
+               conversation=dialogue.conversation, response_format=dialogue.response_format, request_id=request_id,
+               trace=trace)
 
 
 def read_view(raw, settings):

@@ -3,7 +3,7 @@
 The helpers that are plain Python (`get_output_config_by_name`,
 `triton_string_to_numpy`, ...) come from the real module that ships with the
 server in build/triton; only the classes that the stub implements in C++
-(Tensor, InferenceRequest/Response, TritonError, Logger, MetricFamily) are
+(Tensor, InferenceRequest/Response, InferenceTrace, TritonError, Logger, MetricFamily) are
 faked here, with the same method names the backends call.
 """
 
@@ -94,13 +94,24 @@ class ResponseSender:
         return self.responses[0]
 
 
+class InferenceTrace:
+    """What request.trace() returns: get_context() is Triton's W3C context as JSON
+    ({"traceparent": ...}) in OpenTelemetry mode, else None."""
+
+    def __init__(self, context=None):
+        self._context = context
+
+    def get_context(self):
+        return self._context
+
+
 class InferenceRequest:
     # BLS: model name -> function(InferenceRequest) -> InferenceResponse, what exec() asks.
     # Tests set entries with monkeypatch.setitem.
     models = {}
 
     def __init__(self, inputs, parameters=None, request_id="", requested_outputs=None,
-                 model_name=None, requested_output_names=None):
+                 model_name=None, requested_output_names=None, trace=None):
         if not isinstance(inputs, dict):  # BLS: a list of Tensors, as a model builds its request
             inputs = {tensor.name(): tensor.as_numpy() for tensor in inputs}
         self._inputs = {name: Tensor(name, array) for name, array in inputs.items()}
@@ -110,6 +121,7 @@ class InferenceRequest:
         self._sender = ResponseSender()
         self.cancelled = False
         self.model_name = model_name
+        self._trace = trace or InferenceTrace()
 
     def exec(self):
         if self.model_name not in InferenceRequest.models:
@@ -134,6 +146,9 @@ class InferenceRequest:
 
     def is_cancelled(self):
         return self.cancelled
+
+    def trace(self):
+        return self._trace
 
 
 class Logger:
@@ -214,7 +229,7 @@ def install():
         for name, value in globals().items()
         if name in {
             "TritonError", "TritonModelException", "Tensor", "InferenceResponse",
-            "InferenceRequest", "Logger", "MetricFamily",
+            "InferenceRequest", "InferenceTrace", "Logger", "MetricFamily",
             "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
         }
     }

@@ -360,14 +360,14 @@ class FakeStub:
     def __init__(self, fail=None, responses=()):
         self.fail, self.responses, self.calls = fail, list(responses), []
 
-    async def ModelInfer(self, request, timeout=None, metadata=None):  # noqa: N802 - the stub's own name
+    async def ModelInfer(self, request, timeout=None, metadata=()):  # noqa: N802 - the stub's own name
         self.metadata = metadata
         self.calls.append(("infer", request))
         if self.fail is not None:
             raise self.fail
         await asyncio.sleep(3600)
 
-    def ModelStreamInfer(self, requests, timeout=None, metadata=None):  # noqa: N802
+    def ModelStreamInfer(self, requests, timeout=None, metadata=()):  # noqa: N802
         self.metadata = metadata
         stub = self
 
@@ -405,7 +405,7 @@ def test_the_inference_key_goes_with_every_call_under_tritons_grpc_header(stream
     """Triton restricts inference with header inference-key (TRITON_INFERENCE_KEY);
     over gRPC it wants the prefixed name. No key: no header at all."""
     for key, expected in (("inf-0123456789abcdef", (("triton-grpc-protocol-inference-key", "inf-0123456789abcdef"),)),
-                          (None, None)):
+                          (None, ())):
         stub = FakeStub(fail=asyncio.CancelledError())  # answered as a 503; the call was made
         pool = pool_with(stub, key)
         with pytest.raises(FrontError):

@@ -35,19 +35,19 @@ class RecordingPool:
     def __init__(self):
         self.calls = []
 
-    def _record(self, kind, model, image, prompt, parameters, request_id):
+    def _record(self, kind, model, image, prompt, parameters, request_id, metadata):
         request = triton.build_request(model, image, prompt, parameters, request_id)
         sent = {name: getattr(value, value.WhichOneof("parameter_choice")) for name, value in request.parameters.items()}
         self.calls.append({"kind": kind, "model": model, "prompt": prompt, "parameters": sent,
-                           "request_id": request.id})
+                           "request_id": request.id, "metadata": dict(metadata)})
         return Answer(labels=["espresso"], scores=[0.9], description="A coffee.", source="llm",
                       usage={"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
 
-    async def infer(self, model, image, prompt=None, parameters=None, request_id=""):
-        return self._record("infer", model, image, prompt, parameters, request_id)
+    async def infer(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
+        return self._record("infer", model, image, prompt, parameters, request_id, metadata)
 
-    async def stream(self, model, image, prompt=None, parameters=None, request_id=""):
-        yield self._record("stream", model, image, prompt, parameters, request_id), "A coffee."
+    async def stream(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
+        yield self._record("stream", model, image, prompt, parameters, request_id, metadata), "A coffee."
 
     async def close(self):
         pass
@@ -88,6 +88,18 @@ def refusal(stream, **kwargs):
 
 
 # -- honoured -------------------------------------------------------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_clients_trace_context_goes_to_triton_as_grpc_metadata(stream):
+    answer, calls = ask(stream, extra_headers={"traceparent": TRACEPARENT, "tracestate": "vendor=abc"})
+    assert not isinstance(answer, Exception), answer
+    assert calls[0]["metadata"] == {"traceparent": TRACEPARENT, "tracestate": "vendor=abc"}
+    answer, calls = ask(stream)
+    assert calls[0]["metadata"] == {}, "no trace context made up: Triton samples at its own rate"
+
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_system_messages_and_earlier_turns_reach_the_describe_step_in_order(stream):

@@ -126,7 +126,7 @@ class FakeOpenAI:
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
                       "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
                       "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0,
-                      "images": [], "request_ids": []}
+                      "images": [], "request_ids": [], "traceparents": []}
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
                  chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None, hold_for=None):
@@ -179,6 +179,8 @@ class FakeOpenAI:
         stats["authorizations"][authorization] = stats["authorizations"].get(authorization, 0) + 1
         stats["arrivals"] = (stats["arrivals"] + [time.time()])[-RECENT:]
         stats["request_ids"] = (stats["request_ids"] + [request.headers.get("X-Request-ID")])[-RECENT:]
+        # The W3C trace context each call came with (None: none), for the tracing tests.
+        stats["traceparents"] = (stats["traceparents"] + [request.headers.get("traceparent")])[-RECENT:]
         if request.transport is not None:
             self._transports.add(request.transport)
         mode = self._take_mode()
