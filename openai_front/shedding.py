@@ -6,7 +6,23 @@ the front a read, a JSON parse and a base64 decode. Here a chat request past
 `OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT` (counted whole: body, Triton's answer,
 a stream to its end) is refused from its headers alone with 503 and
 Retry-After; aiohttp then discards its body unparsed. docs/reliability.md#overload.
+
+The Retry-After grows with the overload. A fixed one second would bring every
+refused client back every second: at 20x the capacity, 20 refusals for each
+answer, and the refusals (and the clients making them) eat the capacity they
+protect. Instead the front estimates how many clients wait to come back
+(Little's law over the last WINDOW_S: each refusal stands for one client away
+for the Retry-After it was given) and how many answers finish per second, and
+asks each refused client to come back after about waiting / (2 x finished per
+second): then about two attempts arrive for each slot that frees, enough to
+keep the slots full and few enough to cost little. Drawn at random around
+that mean (1 to 2 x mean), so clients refused together come back spread out.
+The openai SDK honours a Retry-After of up to 60 s (MAX_RETRY_AFTER_S).
 """
+
+import collections
+import random
+import time
 
 from aiohttp import web
 
@@ -15,13 +31,57 @@ from .errors import unavailable
 # Only these carry a costly body and hold Triton; probes, /v1/models and
 # /metrics are never shed.
 SHED_PATHS = frozenset({"/v1/chat/completions"})
+WINDOW_S = 10.0
+MAX_RETRY_AFTER_S = 60  # the openai SDK waits as asked up to 60 s, and falls back to its own back-off past it
+ATTEMPTS_PER_FREED_SLOT = 2
+
+
+class RetryAfter:
+    """Seconds to ask a refused client to wait, from what the last WINDOW_S saw."""
+
+    def __init__(self, clock=time.monotonic, rng=None):
+        self.clock, self.rng = clock, rng or random.Random()
+        self.finished = collections.deque()  # times answers finished
+        self.refused = collections.deque()   # (time, Retry-After given)
+        self.refused_wait_s = 0.0            # sum of the Retry-Afters in self.refused
+
+    def _forget_before(self, now):
+        edge = now - WINDOW_S
+        while self.finished and self.finished[0] < edge:
+            self.finished.popleft()
+        while self.refused and self.refused[0][0] < edge:
+            self.refused_wait_s -= self.refused.popleft()[1]
+
+    def finish(self):
+        now = self.clock()
+        self.finished.append(now)
+        self._forget_before(now)
+
+    def mean_s(self):
+        """The mean wait to ask for now (1 when nothing finished yet)."""
+        self._forget_before(self.clock())
+        finished_per_s = len(self.finished) / WINDOW_S
+        if not finished_per_s:
+            return 1.0
+        waiting = self.refused_wait_s / WINDOW_S  # clients away at any moment (Little's law)
+        return min(max(waiting / (ATTEMPTS_PER_FREED_SLOT * finished_per_s), 1.0), MAX_RETRY_AFTER_S / 2)
+
+    def refuse(self):
+        """The whole seconds to send in Retry-After; counted as one more client away that long."""
+        mean = self.mean_s()
+        seconds = self.rng.randint(1, max(1, round(2 * mean - 1)))
+        now = self.clock()
+        self.refused.append((now, seconds))
+        self.refused_wait_s += seconds
+        return seconds
 
 
 class Admission:
     """At most `limit` chat requests at once; the next one is refused at once."""
 
-    def __init__(self, limit):
+    def __init__(self, limit, retry_after=None):
         self.limit, self.now = limit, 0
+        self.retry_after = retry_after or RetryAfter()
 
     @web.middleware
     async def middleware(self, request, handler):
@@ -29,9 +89,11 @@ class Admission:
             return await handler(request)
         if self.now >= self.limit:
             raise unavailable(f"the front holds {self.now} requests already "
-                              "(OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT); retry after Retry-After seconds")
+                              "(OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT); retry after Retry-After seconds",
+                              retry_after_s=self.retry_after.refuse())
         self.now += 1
         try:
             return await handler(request)
         finally:
             self.now -= 1
+            self.retry_after.finish()

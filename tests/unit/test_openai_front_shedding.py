@@ -1,0 +1,81 @@
+"""The front's Retry-After under overload (openai_front/shedding.py): refused
+clients that come back when told must not cost more than the answers, and the
+slots must stay full. A simulation in fake time: no clock, no sockets."""
+
+import heapq
+import random
+
+import pytest
+
+from openai_front.shedding import MAX_RETRY_AFTER_S, RetryAfter
+
+
+def simulate(clients, limit=128, service_s=4.9, seconds=120.0, retry_after_factory=None, obey=True, think_s=1.0):
+    """Closed-loop clients (each sends its next request `think_s` after its answer) that
+    wait what Retry-After says when refused (or resend at once, obey=False). Returns
+    (answers/s, refusals/s, largest Retry-After) over the second half of the run."""
+    now = [0.0]
+    shedder = (retry_after_factory or RetryAfter)(clock=lambda: now[0], rng=random.Random(1))
+    events = [(random.Random(2).uniform(0, 1), "attempt") for _ in range(clients)]
+    heapq.heapify(events)
+    in_flight, answers, refusals, largest, half = 0, 0, 0, 0, seconds / 2
+    while events:
+        at, kind = heapq.heappop(events)
+        if at > seconds:
+            break
+        now[0] = at
+        if kind == "finish":
+            in_flight -= 1
+            shedder.finish()
+            answers += at > half
+            heapq.heappush(events, (at + think_s, "attempt"))
+        elif in_flight < limit:
+            in_flight += 1
+            heapq.heappush(events, (at + service_s, "finish"))
+        else:
+            wait = shedder.refuse()
+            largest = max(largest, wait)
+            refusals += at > half
+            heapq.heappush(events, (at + (wait if obey else 0.001), "attempt"))
+    return answers / half, refusals / half, largest
+
+
+def test_no_overload_no_refusal():
+    answered, refused, _ = simulate(clients=100)
+    assert refused == 0 and answered == pytest.approx(100 / (4.9 + 1.0), rel=0.05)
+
+
+@pytest.mark.parametrize("overload", [2, 10, 20])
+def test_under_overload_refusals_cost_a_few_per_answer_and_the_slots_stay_busy(overload):
+    capacity = 128 / 4.9  # answers/s with every slot busy
+    answered, refused, largest = simulate(clients=128 * overload)
+    assert answered >= 0.9 * capacity, "a Retry-After so long that slots went idle"
+    assert refused <= 4 * answered, f"{refused:.0f} refusals/s for {answered:.1f} answers/s"
+    assert 1 <= largest <= MAX_RETRY_AFTER_S
+
+
+def test_a_fixed_one_second_would_refuse_twenty_times_per_answer():
+    """The baseline the adaptive Retry-After replaces (and what the test above would catch)."""
+    class OneSecond(RetryAfter):
+        def refuse(self):
+            return 1
+    answered, refused, _ = simulate(clients=128 * 20, retry_after_factory=OneSecond)
+    assert refused > 15 * answered
+
+
+def test_nothing_finished_yet_means_one_second():
+    shedder = RetryAfter(clock=lambda: 0.0, rng=random.Random(0))
+    assert {shedder.refuse() for _ in range(50)} == {1}
+
+
+def test_the_window_forgets():
+    """Ten seconds after the overload, the next refused client is asked for about a second again."""
+    now = [0.0]
+    shedder = RetryAfter(clock=lambda: now[0], rng=random.Random(0))
+    for step in range(2000):
+        now[0] = step * 0.005
+        shedder.finish() if step % 40 == 0 else shedder.refuse()
+    assert shedder.mean_s() > 5
+    now[0] += 20
+    shedder.finish()
+    assert shedder.mean_s() == 1.0
