@@ -2,6 +2,7 @@
 request into one Triton request (or stream), and errors in OpenAI's format."""
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
@@ -145,24 +146,54 @@ async def _errors_and_auth(request, handler):
     return error_response(error)
 
 
+BODY_SLOT_WAIT_S = 2.0
+
+
 class InFlight:
     """How many of one costly thing run at once: request bodies being read,
     parsed and decoded (each holds up to the body, its JSON string and the image
-    in memory), or image URLs being fetched. Past the limit a request is refused
-    at once (503, Retry-After), not queued."""
+    in memory), or image URLs being fetched. Past the limit a request waits its
+    turn for up to `wait_s` (in arrival order; how many can wait is bounded by
+    OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT), then is refused (503, Retry-After)."""
 
     def __init__(self, limit, what, setting):
         self.limit, self.now, self.what, self.setting = limit, 0, what, setting
+        self._waiting = collections.deque()  # futures; a finished slot is handed to the first
 
-    @contextlib.contextmanager
-    def slot(self):
-        if self.now >= self.limit:
-            raise unavailable(f"the front is reading {self.now} {self.what} already ({self.setting}); retry later")
-        self.now += 1
+    @contextlib.asynccontextmanager
+    async def slot(self, wait_s=0.0):
+        if self.now < self.limit:
+            self.now += 1
+        else:
+            await self._wait_for_handover(wait_s)
         try:
             yield
         finally:
-            self.now -= 1
+            self._release()
+
+    async def _wait_for_handover(self, wait_s):
+        handed = asyncio.get_running_loop().create_future()
+        self._waiting.append(handed)
+        try:
+            async with asyncio.timeout(wait_s if wait_s > 0 else 0):
+                await handed
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if handed.done() and not handed.cancelled():
+                self._release()  # handed over just as we gave up: pass it on, never leak it
+            else:
+                handed.cancel()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise unavailable(f"the front is reading {self.now} {self.what} already ({self.setting}); "
+                              "retry later") from None
+
+    def _release(self):
+        while self._waiting:
+            handed = self._waiting.popleft()
+            if not handed.done():
+                handed.set_result(None)  # the slot changes hands: self.now stays
+                return
+        self.now -= 1
 
 
 def _parse_body(raw, settings):
@@ -177,7 +208,9 @@ async def read_request(request):
     """The request's ChatRequest: the body read, parsed and its image decoded,
     in a worker thread when the body is large."""
     settings = request.app[SETTINGS]
-    with request.app[BODIES].slot():
+    # A body waits its turn a little: a burst of bodies queues (a slot frees as soon as
+    # a body is in, milliseconds on a fast link), a flood of them is refused.
+    async with request.app[BODIES].slot(wait_s=min(BODY_SLOT_WAIT_S, settings.body_timeout_s)):
         try:
             async with asyncio.timeout(settings.body_timeout_s):
                 raw = await request.read()
@@ -210,7 +243,7 @@ async def chat_completions(request):
         model = _model(settings, parsed.model)
         image = parsed.image
         if image is None:
-            with app[FETCHES].slot():
+            async with app[FETCHES].slot():
                 image = await fetch.fetch_image(app[FETCHER], parsed.image_url, settings.max_image_bytes)
         if parsed.stream:
             app[STREAMS].add(asyncio.current_task())

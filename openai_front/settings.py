@@ -18,10 +18,12 @@ __main__). Every name is documented in the README's OpenAI section.
                                        private addresses. DANGEROUS (the front
                                        then reaches internal services); for tests
   OPENAI_FRONT_MAX_BODIES_IN_FLIGHT=16  request bodies read and decoded at
-                                       once; more are refused (503, Retry-After)
+                                       once; more wait up to 2 s for a turn, then
+                                       are refused (503, Retry-After)
   OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=128  chat requests at once, each to its answer
                                        or its stream's end; more are refused (503,
-                                       Retry-After) before their body is read
+                                       Retry-After growing with the overload)
+                                       before their body is read
   OPENAI_FRONT_BODY_TIMEOUT_S=10      a request body must arrive within this
                                        (408 and the connection closed after it), so
                                        slow or stalled senders cannot hold the body slots

@@ -93,7 +93,11 @@ class Admission:
                               retry_after_s=self.retry_after.refuse())
         self.now += 1
         try:
-            return await handler(request)
+            response = await handler(request)
         finally:
             self.now -= 1
+        # Only answers measure the pace at which slots free for the waiting; a request
+        # refused inside (bodies in flight, Triton's queue) or failed is not one.
+        if response.status < 500:
             self.retry_after.finish()
+        return response

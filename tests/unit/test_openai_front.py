@@ -692,8 +692,8 @@ async def until(predicate, what, deadline_s=10.0):
 
 
 def test_bodies_being_read_past_the_limit_are_503_with_retry_after_and_free_their_slots():
-    """Two real bodies held half-sent take the two slots; a third chat request is
-    refused at once, other routes are not; once both bodies arrive, both are read
+    """Two real bodies held half-sent take the two slots; a third chat request waits
+    BODY_SLOT_WAIT_S for one and is refused, other routes are not; once both bodies arrive, both are read
     (their own answers) and the slots are free again."""
     app = front_with(StalledPool(), max_bodies_in_flight=2)
     payload = json.dumps(body(model="unknown")).encode()  # read and parsed, then 404: the pool is never called
@@ -730,6 +730,36 @@ def test_bodies_being_read_past_the_limit_are_503_with_retry_after_and_free_thei
     assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"HTTP/1.1 404 Not Found"] * 2
     assert all(b"model_not_found" in a for a in answers)
     assert served == 404, "a freed slot reads the next body"
+
+
+def test_a_body_that_waits_for_a_slot_gets_the_next_one_freed():
+    """A burst is queued, not refused: with the one slot held by a half-sent body, the
+    next request waits; when the held body arrives, the waiting one is read and
+    answered (404: an unknown model), and the slot count returns to 0."""
+    app = front_with(StalledPool(), max_bodies_in_flight=1)
+    payload = json.dumps(body(model="unknown")).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload))
+    bodies = app[front_app.BODIES]
+
+    async def main():
+        async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+            reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+            writer.write(head + payload[:10])
+            await writer.drain()
+            await until(lambda: bodies.now == 1, "the half-sent body holds the slot")
+            waiting = asyncio.ensure_future(client.post("/v1/chat/completions", data=payload))
+            await until(lambda: len(bodies._waiting) == 1, "the next body waits for the slot")
+            writer.write(payload[10:])
+            await writer.drain()
+            first = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            second = await asyncio.wait_for(waiting, 10)
+            await until(lambda: bodies.now == 0, "the slot is free again")
+            return first.split(b"\r\n", 1)[0], second.status, len(bodies._waiting)
+
+    first, second, still_waiting = asyncio.run(main())
+    assert first == b"HTTP/1.1 404 Not Found" and second == 404 and still_waiting == 0
 
 
 def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch):
