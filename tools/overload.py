@@ -13,6 +13,7 @@ each overload factor (`--factors`, default 20x the saturating users):
   client-grpc        classify_describe.AsyncClient(retries=), gRPC to Triton
   client-http-proxy  classify_describe.AsyncClient(retries=), HTTP through the proxy
   openai-front       the openai SDK (its own retries honour Retry-After) to the front
+  backoff-front      C users with the clients' back-off (Retry-After honoured) to the front
 
 Per kind and factor: answered per second within the phase and its share of
 saturation's (goodput), answer latency, refusals, lost (any other error, or
@@ -143,15 +144,17 @@ def compile_c_client(workdir):
     return binary
 
 
-def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s):
+def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False):
     """One phase driven by tools/overload_client.c (HTTP); the same figures as
     python_phase, rates over the phase's `seconds` (answers that end in the
-    drain after it are left out). backoff_base_s 0: users resend at once."""
+    drain after it are left out). backoff_base_s 0: users resend at once.
+    openai: to the OpenAI front's chat completions (http_url its host:port)."""
     host_name, port = http_url.rsplit(":", 1)
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
         started, cpu_before = time.monotonic(), children_cpu_s()
         subprocess.run([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
-                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path), out.name],
+                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path), out.name,
+                        *(["openai"] if openai else [])],
                        check=True, timeout=seconds + timeout_s + 60)
         elapsed = time.monotonic() - started
         figures = summary(users, seconds, *parse_attempts(out, window_s=seconds))
@@ -291,6 +294,10 @@ KINDS = {
     "client-http-proxy": dict(path="nginx shed proxy -> Triton HTTP",
                               client="classify_describe.AsyncClient(retries=)", judged=0.8),
     "openai-front": dict(path="OpenAI front -> Triton gRPC", client="openai SDK (max_retries=)", judged=0.8),
+    # The same policy as the SDK (Retry-After) from a generator that costs the shared cores little:
+    # 1,280 SDK users in one Python process are themselves a bottleneck on 2 cores.
+    "backoff-front": dict(path="OpenAI front -> Triton gRPC", client="C generator, back-off + jitter + Retry-After",
+                          judged=0.8),
 }
 
 
@@ -319,9 +326,9 @@ class Stack:
 
     def drive(self, kind, args):
         """drive(users, seconds) -> a phase's figures, for one client kind."""
-        def c(url, backoff):
+        def c(url, backoff, openai=False):
             return lambda users, seconds: c_phase(self.binary, url, self.image_path, users, seconds,
-                                                  args.timeout_s, backoff)
+                                                  args.timeout_s, backoff, openai)
 
         def py(make):
             return lambda users, seconds: python_kind_phase(make, users, seconds)
@@ -333,6 +340,8 @@ class Stack:
             "client-grpc": lambda: py(project_client(self.grpc_url, "grpc", self.image, args)),
             "client-http-proxy": lambda: py(project_client(self.proxy_url, "http", self.image, args)),
             "openai-front": lambda: py(openai_sdk(self.openai_base_url, self.image, args)),
+            "backoff-front": lambda: c(self.openai_base_url.split("//", 1)[1].split("/", 1)[0], args.backoff_s,
+                                       openai=True),
         }[kind]()
 
 

@@ -14,7 +14,12 @@
  * "<outcome> <latency us> <end us since the phase began>", outcome: ok,
  * refused, or lost:<why>.
  *
- *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT
+ *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai]
+ *
+ * With `openai` the same users speak to the OpenAI-compatible front instead:
+ * POST /v1/chat/completions, the IMAGE as a base64 data URI and the prompt as
+ * the text part; any 503 of the front (code service_unavailable: its shedding,
+ * its body slots, Triton refusing it) is a refusal.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -35,6 +40,8 @@
 
 #define REFUSED "Exceeds maximum queue size"
 #define SHED "in-flight limit" /* deploy/nginx/triton-shed.conf.template's refusal */
+#define FRONT_REFUSED "service_unavailable" /* openai_front's 503s */
+#define OPENAI_TAIL "\"}]}]}" /* after the prompt: closes the text part, content, message, messages, body */
 #define RETRY_AFTER_CAP_S 30.0
 #define PROMPT_FMT "What is it? (%08x-%010lu)"
 #define PROMPT_LEN 33 /* the format above, always this long */
@@ -45,7 +52,7 @@ enum state { IDLE, SENDING, READING, SLEEPING, DONE };
 struct user {
     int fd, attempt;
     enum state state;
-    char prompt[4 + PROMPT_LEN]; /* the request's last part, its own */
+    char prompt[4 + PROMPT_LEN + 8]; /* the request's last part, its own */
     size_t sent, received;
     char *buf;
     double started, wake;
@@ -53,7 +60,8 @@ struct user {
 
 static struct sockaddr_in server;
 static char *header_fmt, *image, *prefix; /* shared by every user: HTTP and JSON headers, the IMAGE */
-static size_t image_len, prefix_len, request_len;
+static size_t image_len, prefix_len, request_len, prompt_part_len = 4 + PROMPT_LEN;
+static int openai_mode; /* 1: the OpenAI front's chat completions instead of Triton's infer */
 static unsigned tag;
 static unsigned long counter;
 static double backoff_ms, timeout_ms, phase_start;
@@ -93,9 +101,48 @@ static void build_prefix(const char *model) {
     request_len = prefix_len + image_len + 4 + PROMPT_LEN;
 }
 
+/* The OpenAI front's request: the photo first (a data URI), the prompt last, so that
+ * only the last part differs per request; `image` becomes the base64 text and the
+ * JSON up to the prompt. */
+static void build_openai_prefix(const char *model) {
+    static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    const char *between = "\"}},{\"type\":\"text\",\"text\":\"";
+    size_t between_len = strlen(between), encoded_len = 4 * ((image_len + 2) / 3);
+    char *encoded = malloc(encoded_len + between_len);
+    const unsigned char *in = (const unsigned char *)image;
+    for (size_t i = 0, o = 0; i < image_len; i += 3) {
+        uint32_t v = in[i] << 16 | (i + 1 < image_len ? in[i + 1] << 8 : 0) | (i + 2 < image_len ? in[i + 2] : 0);
+        encoded[o++] = b64[v >> 18 & 63];
+        encoded[o++] = b64[v >> 12 & 63];
+        encoded[o++] = i + 1 < image_len ? b64[v >> 6 & 63] : '=';
+        encoded[o++] = i + 2 < image_len ? b64[v & 63] : '=';
+    }
+    memcpy(encoded + encoded_len, between, between_len);
+    image = encoded;
+    image_len = encoded_len + between_len;
+    prompt_part_len = PROMPT_LEN + strlen(OPENAI_TAIL);
+    char json[512], head[512];
+    int json_len = snprintf(json, sizeof json,
+        "{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\","
+        "\"image_url\":{\"url\":\"data:image/png;base64,", model);
+    size_t body_len = json_len + image_len + prompt_part_len;
+    int head_len = snprintf(head, sizeof head, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                            "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n", body_len);
+    prefix_len = head_len + json_len;
+    prefix = malloc(prefix_len);
+    memcpy(prefix, head, head_len);
+    memcpy(prefix + head_len, json, json_len);
+    request_len = prefix_len + image_len + prompt_part_len;
+}
+
 static void new_prompt(struct user *u) {
     char prompt[PROMPT_LEN + 12];
     snprintf(prompt, sizeof prompt, PROMPT_FMT, tag, counter++ % 10000000000UL);
+    if (openai_mode) {
+        memcpy(u->prompt, prompt, PROMPT_LEN);
+        memcpy(u->prompt + PROMPT_LEN, OPENAI_TAIL, strlen(OPENAI_TAIL));
+        return;
+    }
     put_u32(u->prompt, PROMPT_LEN);
     memcpy(u->prompt + 4, prompt, PROMPT_LEN);
 }
@@ -158,7 +205,8 @@ static void finish(struct user *u, int status, int epoll_fd) {
         record("ok", seconds);
         u->attempt = 0;
         u->state = IDLE;
-    } else if (status == 503 && (strstr(u->buf, REFUSED) || strstr(u->buf, SHED))) {
+    } else if (status == 503 && (strstr(u->buf, REFUSED) || strstr(u->buf, SHED) ||
+                                 (openai_mode && strstr(u->buf, FRONT_REFUSED)))) {
         record("refused", seconds);
         u->state = SLEEPING;
         double wait = jitter_s(u->attempt++);
@@ -190,7 +238,7 @@ static void fail(struct user *u, const char *why, int epoll_fd) {
 /* The unsent rest of the request, from the three parts. */
 static int pending(struct user *u, struct iovec *iov) {
     const char *parts[3] = {prefix, image, u->prompt};
-    size_t lengths[3] = {prefix_len, image_len, 4 + PROMPT_LEN};
+    size_t lengths[3] = {prefix_len, image_len, prompt_part_len};
     size_t skip = u->sent;
     int count = 0;
     for (int i = 0; i < 3; i++) {
@@ -296,8 +344,8 @@ static int run(struct user *users, int count, double seconds) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 10) {
-        fprintf(stderr, "usage: %s HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT\n", argv[0]);
+    if (argc != 10 && !(argc == 11 && strcmp(argv[10], "openai") == 0)) {
+        fprintf(stderr, "usage: %s HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai]\n", argv[0]);
         return 2;
     }
     server.sin_family = AF_INET;
@@ -318,7 +366,11 @@ int main(int argc, char **argv) {
     header_fmt = "POST /v2/models/%s/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  "Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
                  "Content-Length: %zu\r\n\r\n";
-    build_prefix(argv[3]);
+    openai_mode = argc == 11;
+    if (openai_mode)
+        build_openai_prefix(argv[3]);
+    else
+        build_prefix(argv[3]);
     struct user *users = calloc(count, sizeof *users);
     for (int i = 0; i < count; i++) {
         users[i].fd = -1;

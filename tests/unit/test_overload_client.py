@@ -1,6 +1,7 @@
 """tools/overload.py's C load generator (tools/overload_client.c): the requests
 it builds, its back-off on a refusal, and the reading of its attempts."""
 
+import base64
 import http.server
 import json
 import shutil
@@ -108,3 +109,57 @@ def test_the_proxys_refusal_is_a_refusal_and_retry_after_is_honoured_unless_rese
         assert 1 <= len(ShedStandIn.prompts) <= 3
     else:
         assert len(ShedStandIn.prompts) > 10  # resends at once: Retry-After ignored
+
+
+class StandInFront(http.server.BaseHTTPRequestHandler):
+    """The OpenAI front's chat completions as the C client's openai mode sees it:
+    the body parsed as JSON, the photo decoded from its data URI; every other
+    request refused as the front sheds (503, service_unavailable, Retry-After: 1)."""
+
+    protocol_version = "HTTP/1.1"
+    prompts, photos = [], []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/chat/completions" and body["model"] == "classify_and_describe"
+        (image, text), = [message["content"] for message in body["messages"]]
+        prefix = "data:image/png;base64,"
+        assert image["type"] == "image_url" and image["image_url"]["url"].startswith(prefix)
+        self.photos.append(base64.b64decode(image["image_url"]["url"][len(prefix):], validate=True))
+        self.prompts.append(text["text"])
+        refused = len(self.prompts) % 2 == 0
+        answer = json.dumps({"error": {"code": "service_unavailable"}} if refused else {"choices": []}).encode()
+        self.send_response(503 if refused else 200)
+        if refused:
+            self.send_header("Retry-After", "1")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+@needs_cc
+@pytest.mark.parametrize("photo", [b"photo", b"photo!", b"photo!!"], ids=["pad2", "pad1", "pad0"])
+def test_the_c_clients_openai_mode_sends_the_photo_as_a_data_uri_and_honours_the_fronts_retry_after(tmp_path,
+                                                                                                   photo):
+    """Every base64 padding case decodes to the very photo; a refusal (every second
+    request) waits its Retry-After of 1 s: ok, refused, a second, ok, refused: at most 4 requests in
+    1.5 s for the one user (hundreds with its 0.01 s back-off alone)."""
+    StandInFront.prompts, StandInFront.photos = [], []
+    (tmp_path / "photo").write_bytes(photo)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandInFront)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        figures = overload.c_phase(overload.compile_c_client(tmp_path), f"127.0.0.1:{server.server_address[1]}",
+                                   tmp_path / "photo", users=1, seconds=1.5, timeout_s=5, backoff_base_s=0.01,
+                                   openai=True)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert figures["lost"] == 0, figures["lost_sample"]
+    assert StandInFront.photos and set(StandInFront.photos) == {photo}
+    assert all(p.startswith("What is it? (") for p in StandInFront.prompts)
+    assert 2 <= len(StandInFront.prompts) <= 4 and figures["admitted"] >= 1 and figures["rejected"] >= 1
