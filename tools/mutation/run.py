@@ -1,0 +1,265 @@
+"""Mutation testing of the pure modules with mutmut; writes docs/mutation.md.
+
+    python -m tools.mutation.run [--module NAME ...] [--max-children N]
+
+mutmut names a mutant after its file's path (backends/openai_describe/describer.py
+would be `backends.openai_describe.describer`), while the tests import the
+backend's modules by their own names (`import describer`, as Triton's stub
+does). So the run happens in a stage, build/mutants/stage: a copy of the
+checkout in which the backend's modules sit at the top level, where their path
+is their import name, and from which the backend's folder is gone, so no
+unmutated copy can be imported. mutmut copies the stage to stage/mutants/,
+runs the unit tests once to learn which tests reach each function, then runs
+for each mutant only those tests (never integration tests).
+
+A module's score is detected / (detected + survived), where detected counts the
+mutants a test failed on (killed) or that ran past mutmut's time limit
+(timeout), and survived counts those no test noticed, "no tests" included.
+Every survivor must have a reason in tools/mutation/explained.py (equivalent,
+or harmless and why); the run fails when one has none or a module scores below
+TARGET. Raw output stays under build/mutants/.
+"""
+
+import argparse
+import ast
+import datetime
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+from tools.mutation.explained import EQUIVALENT, EXCLUDED
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORK = ROOT / "build/mutants"
+REPORT = ROOT / "docs/mutation.md"
+TARGET = 0.85
+BACKEND = "backends/openai_describe"
+# Report name -> file in the checkout. A backend module's report name is its
+# import name, and its file lands at the stage's top level.
+MODULES = {
+    "describer": f"{BACKEND}/describer.py",
+    "resilience": f"{BACKEND}/resilience.py",
+    "settings": f"{BACKEND}/settings.py",
+    "prompting": f"{BACKEND}/prompting.py",
+    "accounting": f"{BACKEND}/accounting.py",
+    "openai_front.chat": "openai_front/chat.py",
+    "openai_front.fetch": "openai_front/fetch.py",
+    "openai_front.errors": "openai_front/errors.py",
+    "classify_describe.client": "classify_describe/client.py",
+}
+# The unit tests that can reach those modules; mutmut runs, per mutant, the
+# ones among them that called the mutated function in the clean run.
+TESTS = [
+    "tests/unit/test_describe_*.py",
+    "tests/unit/test_openai_front*.py",
+    "tests/unit/test_error_contract.py",
+    "tests/unit/test_client*.py",
+]
+# Checks of the checkout's layout, which the stage changes on purpose (copies
+# instead of links); they test no behaviour of the mutated modules.
+DESELECT = ["tests/unit/test_error_contract.py::test_both_sides_read_the_one_file"]
+# fake_pb_utils builds its fake from Triton's own utils module (make build).
+PB_UTILS = "build/triton/pytriton/tritonserver/backends/python/triton_python_backend_utils.py"
+STATUSES = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped", "segfault", "not checked",
+            "caught by type check", "check was interrupted by user")
+DETECTED = {"killed", "timeout", "caught by type check"}
+
+
+def staged_path(name):
+    return f"{name}.py" if "." not in name else MODULES[name]
+
+
+def checkout_files():
+    # Tracked files and new ones not yet committed (a new test), never ignored ones.
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                         cwd=ROOT, check=True, capture_output=True).stdout
+    return [name for name in out.decode().split("\0") if name and (ROOT / name).exists()]
+
+
+def build_stage(stage, modules):
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    for name in checkout_files():
+        source, target = ROOT / name, stage / name
+        if name.startswith(f"{BACKEND}/") and name.endswith(".py") and name != f"{BACKEND}/model.py":
+            target = stage / pathlib.Path(name).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)  # follows links: openai_front/error_contract.py is a copy here
+    (stage / PB_UTILS).parent.mkdir(parents=True)
+    shutil.copy2(ROOT / PB_UTILS, stage / PB_UTILS)
+    sources = [staged_path(name) for name in modules]
+    # mutmut copies source_paths and also_copy into mutants/; a folder in
+    # also_copy would overwrite the mutated file it holds, so such folders are
+    # listed file by file.
+    keep = set()
+    for entry in sorted(stage.iterdir()):
+        if entry.name == "pyproject.toml":
+            continue
+        rel = entry.relative_to(stage).as_posix()
+        if any(source.startswith(f"{rel}/") for source in sources):
+            keep.update(p.relative_to(stage).as_posix() for p in entry.rglob("*")
+                        if p.is_file() and p.relative_to(stage).as_posix() not in sources)
+        elif rel not in sources:
+            keep.add(rel)
+    tests = sorted({p.relative_to(stage).as_posix() for pattern in TESTS for p in stage.glob(pattern)})
+    selection = tests + [f"--deselect={test}" for test in DESELECT]
+    (stage / "pyproject.toml").write_text(pyproject(sources, sorted(keep), selection))
+    return sources
+
+
+def toml_list(items):
+    return "[\n" + "".join(f"    {item!r},\n".replace("'", '"') for item in items) + "]"
+
+
+def pyproject(sources, also_copy, selection):
+    return f"""# Written by tools/mutation/run.py for the stage; not the project's pyproject.toml.
+[tool.pytest.ini_options]
+testpaths = ["tests"]
+addopts = "-ra --strict-markers -p no:cacheprovider"
+# A mutant that makes a test hang fails that test (pytest-timeout) rather than
+# waiting for mutmut's own limit, many times longer; the slowest test takes 2 s.
+timeout = 60
+markers = ["slow: longer integration tests (still part of `make test`)"]
+pythonpath = [".", "tests/unit", "backends/image_preprocess", "backends/image_classifier"]
+
+[tool.mutmut]
+source_paths = {toml_list(sources)}
+also_copy = {toml_list(also_copy)}
+pytest_add_cli_args_test_selection = {toml_list(selection)}
+use_setproctitle = false
+"""
+
+
+def function_globs(stage, name, path):
+    """One mutmut name pattern per function and method of the module, those in EXCLUDED left out."""
+    tree = ast.parse((stage / path).read_text())
+    functions = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions.append(f"{name}.x_{node.name}")
+        elif isinstance(node, ast.ClassDef):
+            functions += [f"{name}.x\u01c1{node.name}\u01c1{item.name}" for item in node.body
+                          if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return [f"{function}__mutmut_*" for function in functions if function not in EXCLUDED]
+
+
+def mutmut(stage, *args, capture=False):
+    command = [str(pathlib.Path(sys.executable).parent / "mutmut"), *args]
+    return subprocess.run(command, cwd=stage, text=True, capture_output=capture,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+
+
+def module_of(mutant):
+    return mutant.split(".x_")[0].split(".x\u01c1")[0]
+
+
+def results(stage):
+    out = mutmut(stage, "results", "--all", "true", capture=True).stdout
+    found = {}
+    for line in out.splitlines():
+        match = re.match(r"\s+(\S+__mutmut_\d+): (.+)$", line)
+        if match:
+            found[match.group(1)] = match.group(2)
+    return found
+
+
+def cpu():
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
+def report(stage, command, modules, status, started, elapsed_s, load):
+    lines = [
+        "# Mutation testing",
+        "",
+        "Written by `make mutants` (tools/mutation/run.py), which runs mutmut over the pure modules",
+        "with the unit tests only; `make test` does not run it. How the run is staged, what each",
+        "mutant runs and how the score is counted: tools/mutation/run.py's docstring.",
+        "",
+        f"- Command: `{command}`",
+        f"- Date: {started:%Y-%m-%d %H:%M} UTC, {elapsed_s / 60:.0f} minutes",
+        f"- CPU: {cpu()}; load average {load[0]:.1f} at the start (the machine was shared)",
+        f"- mutmut {mutmut_version()}, Python {platform.python_version()}",
+        f"- Target: every module >= {TARGET:.0%}",
+        "",
+        "| module | mutants | killed | timeout | survived | no tests | score |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    failures = []
+    for name in modules:
+        mine = {m: s for m, s in status.items() if module_of(m) == name}
+        count = {s: sum(1 for v in mine.values() if v == s) for s in STATUSES}
+        detected = sum(count[s] for s in DETECTED)
+        undetected = count["survived"] + count["no tests"]
+        score = detected / (detected + undetected) if detected + undetected else 1.0
+        lines.append(f"| {name} | {len(mine)} | {count['killed']} | {count['timeout']} | {count['survived']} "
+                     f"| {count['no tests']} | {score:.1%} |")
+        if score < TARGET:
+            failures.append(f"{name} scores {score:.1%} < {TARGET:.0%}")
+        other = len(mine) - detected - undetected
+        if other:
+            failures.append(f"{name}: {other} mutants neither detected nor survived (not run?)")
+    lines += ["", "## Not mutated", "",
+              "Functions left out of the run on purpose, with the reason:", ""]
+    lines += [f"- `{function}`: {reason}" for function, reason in EXCLUDED.items()]
+    lines += ["", "## Surviving mutants", "",
+              "Each with the reason it is equivalent or harmless (tools/mutation/explained.py).", ""]
+    survivors = sorted(m for m, s in status.items() if s in ("survived", "no tests"))
+    for mutant in survivors:
+        reason = EQUIVALENT.get(mutant)
+        if reason is None:
+            failures.append(f"{mutant} survived without a reason in tools/mutation/explained.py")
+            reason = "**NOT EXPLAINED**"
+        diff = mutmut(stage, "show", mutant, capture=True).stdout.strip().splitlines()
+        body = "\n".join(line for line in diff[1:] if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
+        lines += [f"### `{mutant}` ({status[mutant]})", "", reason, "", "```diff", body, "```", ""]
+    if not survivors:
+        lines += ["None.", ""]
+    stale = sorted(set(EQUIVALENT) - set(survivors))
+    if stale:
+        lines += ["## Reasons no longer needed", "",
+                  "These mutants are killed now or gone; their entries in explained.py can go:", ""]
+        lines += [f"- `{mutant}`" for mutant in stale] + [""]
+    lines += ["## Result", "", "\n".join(f"- FAIL: {f}" for f in failures) if failures else "Every module meets the target.", ""]
+    return "\n".join(lines), failures
+
+
+def mutmut_version():
+    from importlib.metadata import version
+    return version("mutmut")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--module", action="append", choices=sorted(MODULES),
+                        help="only this module (repeatable); the report then covers only these")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count())
+    parser.add_argument("--report", type=pathlib.Path, default=REPORT)
+    parser.add_argument("--work", type=pathlib.Path, default=WORK, help="where the stage and mutmut's files go")
+    args = parser.parse_args()
+    stage = args.work.resolve() / "stage"
+    modules = args.module or list(MODULES)
+    command = "python -m tools.mutation.run" + "".join(f" --module {m}" for m in args.module or [])
+    started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()
+    sources = build_stage(stage, modules)
+    globs = [g for name, path in zip(modules, sources) for g in function_globs(stage, name, path)]
+    run = mutmut(stage, "run", "--max-children", str(args.max_children), *globs)
+    if run.returncode:
+        raise SystemExit(f"mutmut run failed ({run.returncode}); its output is above")
+    status = results(stage)
+    elapsed_s = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+    text, failures = report(stage, command, modules, status, started, elapsed_s, load)
+    args.report.write_text(text)
+    print(f"wrote {args.report}")
+    for failure in failures:
+        print("FAIL:", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
