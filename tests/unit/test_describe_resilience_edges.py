@@ -2,7 +2,10 @@
 arrives after the circuit has moved on twice (found by `make mutants`,
 docs/mutation.md)."""
 
-from resilience import CircuitBreaker, Failure, classify_status, status_reason
+import email.utils
+import time
+
+from resilience import CircuitBreaker, Failure, classify_status, parse_retry_after, refuses_image, status_reason
 
 
 def test_a_status_below_500_that_no_table_names_is_unexpected_and_not_the_upstreams_fault():
@@ -37,3 +40,30 @@ def test_a_verdict_from_an_earlier_closed_period_says_nothing_about_a_later_prob
     assert breaker.allow() is None                     # and the probe keeps its place
     breaker.record_success(probe)
     assert breaker.state == CircuitBreaker.CLOSED
+
+
+def test_which_statuses_are_retried():
+    for status in (408, 409, 429, 500, 503):
+        failure = classify_status(status)
+        assert failure.retryable and failure.upstream_fault, status
+    for status in (302, 410, 413, 418):
+        assert classify_status(status) == Failure(status_reason(status), retryable=False, upstream_fault=False)
+
+
+def test_an_image_refusal_is_a_400_or_422_that_mentions_images():
+    assert refuses_image(422, "", "model is not a multimodal model")
+    assert refuses_image(400, '{"error": "image_url is only supported by certain models"}', "")
+    assert not refuses_image(400, '{"error": "max_tokens is too large"}', "bad request")
+    assert not refuses_image(423, "", "vision")
+    assert not refuses_image(500, "", "image")
+
+
+def test_retry_after_below_a_second_is_kept():
+    assert parse_retry_after({"retry-after-ms": "250"}) == 0.25
+    assert parse_retry_after({"retry-after": "0.5"}) == 0.5
+    now = 1_700_000_000.0
+    soon = email.utils.formatdate(now + 30, usegmt=True)
+    assert parse_retry_after({"retry-after": soon}, now=now - 0.5) == 30.5
+    assert parse_retry_after({"retry-after": soon}, now=now + 29.5) == 0.5
+    # without `now`, the date is read against the wall clock
+    assert 0 < parse_retry_after({"retry-after": email.utils.formatdate(time.time() + 3600, usegmt=True)}) <= 3600
