@@ -1,28 +1,33 @@
 """Mutation testing of the pure modules with mutmut; writes docs/mutation.md.
 
-    python -m tools.mutation.run [--module NAME ...] [--max-children N]
+    python -m tools.mutation.run [--module NAME ...] [--max-children N] [--work DIR]
+    python -m tools.mutation.run --report-only
 
 mutmut names a mutant after its file's path (backends/openai_describe/describer.py
 would be `backends.openai_describe.describer`), while the tests import the
 backend's modules by their own names (`import describer`, as Triton's stub
-does). So the run happens in a stage, build/mutants/stage: a copy of the
+does). So the run happens in a stage (build/mutants/run/stage): a copy of the
 checkout in which the backend's modules sit at the top level, where their path
-is their import name, and from which the backend's folder is gone, so no
-unmutated copy can be imported. mutmut copies the stage to stage/mutants/,
-runs the unit tests once to learn which tests reach each function, then runs
-for each mutant only those tests (never integration tests).
+is their import name, and are gone from the backend's folder (model.py stays,
+loaded by path), so no unmutated copy can be imported. mutmut copies the stage
+to stage/mutants/, runs the unit tests in TESTS once to learn which tests reach
+each function, then runs for each mutant only those tests, never integration
+tests.
 
-A module's score is detected / (detected + survived), where detected counts the
-mutants a test failed on (killed) or that ran past mutmut's time limit
-(timeout), and survived counts those no test noticed, "no tests" included.
-Every survivor must have a reason in tools/mutation/explained.py (equivalent,
-or harmless and why); the run fails when one has none or a module scores below
-TARGET. Raw output stays under build/mutants/.
+A module's score is detected / (detected + undetected): detected counts the
+mutants a test failed on (killed) or that ran past mutmut's time limit or the
+per-test timeout (a hang); undetected counts those no test noticed ("survived",
+and "no tests" when no test reaches the function). Each run keeps its modules'
+results in build/mutants/results/, and docs/mutation.md is written from all of
+them, saying which run each module's figures come from. Every survivor needs a
+reason in tools/mutation/explained.py (equivalent, or harmless and why); the
+command fails when one has none, a module is not run or scores below TARGET.
 """
 
 import argparse
 import ast
 import datetime
+import json
 import os
 import pathlib
 import platform
@@ -35,6 +40,7 @@ from tools.mutation.explained import EQUIVALENT, EXCLUDED
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORK = ROOT / "build/mutants"
+RESULTS = WORK / "results"
 REPORT = ROOT / "docs/mutation.md"
 TARGET = 0.85
 BACKEND = "backends/openai_describe"
@@ -67,6 +73,7 @@ PB_UTILS = "build/triton/pytriton/tritonserver/backends/python/triton_python_bac
 STATUSES = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped", "segfault", "not checked",
             "caught by type check", "check was interrupted by user")
 DETECTED = {"killed", "timeout", "caught by type check"}
+UNDETECTED = {"survived", "no tests"}
 
 
 def staged_path(name):
@@ -173,60 +180,85 @@ def cpu():
     return f"{model}, {os.cpu_count()} CPUs"
 
 
-def report(stage, command, modules, status, started, elapsed_s, load):
+def diff_of(stage, mutant):
+    shown = mutmut(stage, "show", mutant, capture=True).stdout.strip().splitlines()
+    return "\n".join(line for line in shown[1:] if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
+
+
+def record(stage, modules, status, run):
+    """One results file per module (build/mutants/results/NAME.json), so runs of
+    some modules each update theirs and the report gathers them all."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for name in modules:
+        mine = {m: s for m, s in status.items() if module_of(m) == name}
+        survivors = {m: {"status": s, "diff": diff_of(stage, m)} for m, s in sorted(mine.items())
+                     if s in UNDETECTED}
+        counts = {s: sum(1 for v in mine.values() if v == s) for s in sorted(set(mine.values()))}
+        (RESULTS / f"{name}.json").write_text(json.dumps({**run, "module": name, "counts": counts,
+                                                          "survivors": survivors}, indent=1))
+
+
+def score(counts):
+    detected = sum(counts.get(s, 0) for s in DETECTED)
+    undetected = sum(counts.get(s, 0) for s in UNDETECTED)
+    return detected / (detected + undetected) if detected + undetected else 1.0
+
+
+def report():
+    """docs/mutation.md from every module's latest results, and what fails the target."""
     lines = [
         "# Mutation testing",
         "",
-        "Written by `make mutants` (tools/mutation/run.py), which runs mutmut over the pure modules",
-        "with the unit tests only; `make test` does not run it. How the run is staged, what each",
-        "mutant runs and how the score is counted: tools/mutation/run.py's docstring.",
+        "Written by `make mutants` (tools/mutation/run.py): mutmut over the pure modules, each",
+        "mutant running only the unit tests that reach the function it changes; `make test` does",
+        "not run it. How the run is staged and the score counted: tools/mutation/run.py's docstring.",
+        f"Target: every module >= {TARGET:.0%}. Score = (killed + timeout) / (killed + timeout + survived + no tests).",
         "",
-        f"- Command: `{command}`",
-        f"- Date: {started:%Y-%m-%d %H:%M} UTC, {elapsed_s / 60:.0f} minutes",
-        f"- CPU: {cpu()}; load average {load[0]:.1f} at the start (the machine was shared)",
-        f"- mutmut {mutmut_version()}, Python {platform.python_version()}",
-        f"- Target: every module >= {TARGET:.0%}",
-        "",
-        "| module | mutants | killed | timeout | survived | no tests | score |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| module | mutants | killed | timeout | survived | no tests | score | run |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    failures = []
-    for name in modules:
-        mine = {m: s for m, s in status.items() if module_of(m) == name}
-        count = {s: sum(1 for v in mine.values() if v == s) for s in STATUSES}
-        detected = sum(count[s] for s in DETECTED)
-        undetected = count["survived"] + count["no tests"]
-        score = detected / (detected + undetected) if detected + undetected else 1.0
-        lines.append(f"| {name} | {len(mine)} | {count['killed']} | {count['timeout']} | {count['survived']} "
-                     f"| {count['no tests']} | {score:.1%} |")
-        if score < TARGET:
-            failures.append(f"{name} scores {score:.1%} < {TARGET:.0%}")
-        other = len(mine) - detected - undetected
+    failures, runs, survivors = [], {}, {}
+    for name in MODULES:
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            lines.append(f"| {name} | not run | | | | | | |")
+            failures.append(f"{name} has not been run")
+            continue
+        result = json.loads(path.read_text())
+        counts = result["counts"]
+        run, _ = runs.setdefault((result["command"], result["started"]), (len(runs) + 1, result))
+        lines.append(f"| {name} | {sum(counts.values())} | {counts.get('killed', 0)} | {counts.get('timeout', 0)} "
+                     f"| {counts.get('survived', 0)} | {counts.get('no tests', 0)} | {score(counts):.1%} | {run} |")
+        if score(counts) < TARGET:
+            failures.append(f"{name} scores {score(counts):.1%} < {TARGET:.0%}")
+        other = sum(counts.values()) - sum(counts.get(s, 0) for s in DETECTED | UNDETECTED)
         if other:
-            failures.append(f"{name}: {other} mutants neither detected nor survived (not run?)")
-    lines += ["", "## Not mutated", "",
-              "Functions left out of the run on purpose, with the reason:", ""]
+            failures.append(f"{name}: {other} mutants neither detected nor undetected ({counts})")
+        survivors.update(result["survivors"])
+    lines += ["", "Runs:", ""]
+    for (command, started), (run, info) in runs.items():
+        lines.append(f"{run}. `{command}` on {started} UTC, {info['elapsed_s'] / 60:.0f} minutes, {info['cpu']}, "
+                     f"load average {info['load']:.1f} at the start (a shared machine), mutmut {info['mutmut']}, "
+                     f"Python {info['python']}")
+    lines += ["", "## Not mutated", "", "Left out of the run on purpose:", ""]
     lines += [f"- `{function}`: {reason}" for function, reason in EXCLUDED.items()]
     lines += ["", "## Surviving mutants", "",
               "Each with the reason it is equivalent or harmless (tools/mutation/explained.py).", ""]
-    survivors = sorted(m for m, s in status.items() if s in ("survived", "no tests"))
-    for mutant in survivors:
+    for mutant, found in sorted(survivors.items()):
         reason = EQUIVALENT.get(mutant)
         if reason is None:
             failures.append(f"{mutant} survived without a reason in tools/mutation/explained.py")
-            reason = "**NOT EXPLAINED**"
-        diff = mutmut(stage, "show", mutant, capture=True).stdout.strip().splitlines()
-        body = "\n".join(line for line in diff[1:] if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
-        lines += [f"### `{mutant}` ({status[mutant]})", "", reason, "", "```diff", body, "```", ""]
+            reason = "**Not explained.**"
+        lines += [f"### `{mutant}` ({found['status']})", "", reason, "", "```diff", found["diff"], "```", ""]
     if not survivors:
         lines += ["None.", ""]
-    stale = sorted(set(EQUIVALENT) - set(survivors))
+    stale = sorted(m for m in EQUIVALENT if m not in survivors and (RESULTS / f"{module_of(m)}.json").exists())
     if stale:
-        lines += ["## Reasons no longer needed", "",
-                  "These mutants are killed now or gone; their entries in explained.py can go:", ""]
+        lines += ["## Reasons no longer needed", "", "Killed now, or gone; their entries in explained.py can go:", ""]
         lines += [f"- `{mutant}`" for mutant in stale] + [""]
-    lines += ["## Result", "", "\n".join(f"- FAIL: {f}" for f in failures) if failures else "Every module meets the target.", ""]
-    return "\n".join(lines), failures
+    lines += ["## Result", ""]
+    lines += [f"- FAIL: {f}" for f in failures] if failures else ["Every module meets the target."]
+    return "\n".join(lines) + "\n", failures
 
 
 def mutmut_version():
@@ -236,26 +268,30 @@ def mutmut_version():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--module", action="append", choices=sorted(MODULES),
-                        help="only this module (repeatable); the report then covers only these")
+    parser.add_argument("--module", action="append", choices=list(MODULES),
+                        help="only this module (repeatable); the others keep their last results")
     parser.add_argument("--max-children", type=int, default=os.cpu_count())
-    parser.add_argument("--report", type=pathlib.Path, default=REPORT)
-    parser.add_argument("--work", type=pathlib.Path, default=WORK, help="where the stage and mutmut's files go")
+    parser.add_argument("--work", type=pathlib.Path, default=WORK / "run",
+                        help="where the stage and mutmut's files go (runs at the same time need their own)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite docs/mutation.md from the results kept")
     args = parser.parse_args()
-    stage = args.work.resolve() / "stage"
-    modules = args.module or list(MODULES)
-    command = "python -m tools.mutation.run" + "".join(f" --module {m}" for m in args.module or [])
-    started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()
-    sources = build_stage(stage, modules)
-    globs = [g for name, path in zip(modules, sources) for g in function_globs(stage, name, path)]
-    run = mutmut(stage, "run", "--max-children", str(args.max_children), *globs)
-    if run.returncode:
-        raise SystemExit(f"mutmut run failed ({run.returncode}); its output is above")
-    status = results(stage)
-    elapsed_s = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
-    text, failures = report(stage, command, modules, status, started, elapsed_s, load)
-    args.report.write_text(text)
-    print(f"wrote {args.report}")
+    if not args.report_only:
+        stage = args.work.resolve() / "stage"
+        modules = args.module or list(MODULES)
+        command = "make mutants" + (f' MUTANTS_ARGS="{" ".join(f"--module {m}" for m in args.module)}"'
+                                    if args.module else "")
+        started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
+        sources = build_stage(stage, modules)
+        globs = [g for name, path in zip(modules, sources) for g in function_globs(stage, name, path)]
+        if mutmut(stage, "run", "--max-children", str(args.max_children), *globs).returncode:
+            raise SystemExit("mutmut run failed; its output is above")
+        elapsed_s = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+        record(stage, modules, results(stage), {
+            "command": command, "started": f"{started:%Y-%m-%d %H:%M}", "elapsed_s": elapsed_s, "load": load,
+            "cpu": cpu(), "mutmut": mutmut_version(), "python": platform.python_version()})
+    text, failures = report()
+    REPORT.write_text(text)
+    print(f"wrote {REPORT.relative_to(ROOT)}")
     for failure in failures:
         print("FAIL:", failure)
     return 1 if failures else 0
