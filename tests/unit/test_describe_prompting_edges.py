@@ -3,7 +3,7 @@ a refusal blames (found by `make mutants`, docs/mutation.md)."""
 
 import pytest
 
-from prompting import PromptError, read_labels
+from prompting import PromptError, read_labels, read_prompt
 from settings import parse_settings
 
 
@@ -24,3 +24,10 @@ def test_a_label_that_is_not_utf8_blames_labels_and_says_which():
     with pytest.raises(PromptError, match=r"LABELS\[1\] is not valid UTF-8 \(byte 0xff at offset 1\)") as info:
         read_labels([b"ok", b"a\xffb"], parse_settings({}, {}))
     assert info.value.field == "LABELS"
+
+
+def test_a_prompt_that_is_not_utf8_blames_prompt():
+    with pytest.raises(PromptError, match=r"^PROMPT is not valid UTF-8 \(byte 0xc3 at offset 2\)") as info:
+        read_prompt(b"ab\xc3(", 100)
+    assert info.value.field == "PROMPT"
+    assert read_prompt(bytearray(" caf\xc3\xa9 ".encode("latin-1")), 4) == "café"
