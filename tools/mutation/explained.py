@@ -1,6 +1,7 @@
 """Why a function is left out of the mutation run, and why a mutant that
-survives is acceptable. Keys are mutmut's names (`mutmut show NAME` prints the
-mutation); tools/mutation/run.py fails on a survivor that is missing here."""
+survives is acceptable. Keys are mutmut's names (`mutmut show NAME` in
+build/mutants/run/stage prints the mutation; docs/mutation.md shows each);
+tools/mutation/run.py fails on a survivor that is missing here."""
 
 _BACKOFF = ("the client's retry and back-off, being rewritten (Retry-After with jitter) in another change; "
             "mutate it again once that lands")
@@ -12,5 +13,30 @@ EXCLUDED = {
     "classify_describe.client.x\u01c1AsyncClient\u01c1infer": _BACKOFF,
 }
 
+_GENERATION = ("Equivalent: the generation only has to differ from every earlier one so that old tickets are "
+               "ignored; counting down or in twos does that as well as counting up in ones.")
+_PROBE_FLAG = "Equivalent: the flag is only ever read as `not self._probe_in_flight`, where None and False agree."
+_RESOLVER_DEFAULT = ("Equivalent: aiohttp's connector always passes host, port and family to a resolver; the "
+                     "defaults only keep the AbstractResolver signature.")
+_OVERREAD = ("Harmless: each read may ask for more than one byte past the limit, so at most about twice the "
+             "limit is held before the loop stops, and the answer is the same 413.")
+_VALUE_ERROR = ("Unreachable with the pinned aiohttp (3.14): every URL yarl refuses arrives as InvalidURL, "
+                "a ClientError too, so the ClientError branch answers first (400 'fetching the image URL failed "
+                "(InvalidUrlClientError)'); the branch stays for older aiohttp releases.")
+
 EQUIVALENT = {
+    "resilience.x\u01c1CircuitBreaker\u01c1_set__mutmut_4": _GENERATION,
+    "resilience.x\u01c1CircuitBreaker\u01c1_set__mutmut_5": _GENERATION,
+    "resilience.x\u01c1CircuitBreaker\u01c1release__mutmut_2": _PROBE_FLAG,
+    "resilience.x\u01c1CircuitBreaker\u01c1record_failure__mutmut_5": _PROBE_FLAG,
+    "prompting.x__utf8__mutmut_6": "Equivalent: codec names are case-insensitive ('UTF-8' is 'utf-8').",
+    "accounting.x_tokens_from__mutmut_20": "Equivalent: a missing completion_tokens gives None, and `None or 0` is 0.",
+    "openai_front.fetch.x\u01c1PublicOnlyResolver\u01c1resolve__mutmut_1": _RESOLVER_DEFAULT,
+    "openai_front.fetch.x\u01c1PublicOnlyResolver\u01c1resolve__mutmut_2": _RESOLVER_DEFAULT,
+    "openai_front.fetch.x_fetch_image__mutmut_13": _OVERREAD,
+    "openai_front.fetch.x_fetch_image__mutmut_15": _OVERREAD,
+    "openai_front.fetch.x_fetch_image__mutmut_37": _VALUE_ERROR,
+    "openai_front.fetch.x_fetch_image__mutmut_38": _VALUE_ERROR,
+    "openai_front.fetch.x_fetch_image__mutmut_39": _VALUE_ERROR,
+    "openai_front.fetch.x_fetch_image__mutmut_40": _VALUE_ERROR,
 }

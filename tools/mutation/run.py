@@ -65,9 +65,14 @@ TESTS = [
     "tests/unit/test_error_contract.py",
     "tests/unit/test_client*.py",
 ]
-# Checks of the checkout's layout, which the stage changes on purpose (copies
-# instead of links); they test no behaviour of the mutated modules.
-DESELECT = ["tests/unit/test_error_contract.py::test_both_sides_read_the_one_file"]
+DESELECT = [
+    # Checks the checkout's layout, which the stage changes on purpose (copies, not links).
+    "tests/unit/test_error_contract.py::test_both_sides_read_the_one_file",
+    # 500 calls of 1 s each within a 10 s timeout: a capacity check that mutmut's
+    # trampolines (a wrapper on every call) and a loaded machine can push past its
+    # timeout, failing the clean run; the other describer tests cover the same code.
+    "tests/unit/test_describe_describer.py::test_one_describer_holds_500_calls_in_flight",
+]
 # fake_pb_utils builds its fake from Triton's own utils module (make build).
 PB_UTILS = "build/triton/pytriton/tritonserver/backends/python/triton_python_backend_utils.py"
 STATUSES = ("killed", "timeout", "survived", "no tests", "suspicious", "skipped", "segfault", "not checked",
