@@ -255,6 +255,15 @@ def report():
         lines.append(f"{run}. `{command}` on {started} UTC, {info['elapsed_s'] / 60:.0f} minutes, {info['cpu']}, "
                      f"load average {info['load']:.1f} at the start (a shared machine), mutmut {info['mutmut']}, "
                      f"Python {info['python']}")
+    lines += ["", "The tests the mutants run: " + ", ".join(f"`{t}`" for t in TESTS)
+              + "; left out (see DESELECT in tools/mutation/run.py for why):", ""]
+    lines += [f"- `{test}`" for test in DESELECT]
+    lines += ["", "## Tests written to kill survivors", "",
+              "Survivors of the first runs that a plausible bug could look like were killed by new",
+              "tests (tests/unit/*_edges.py); each asserts behaviour a caller sees:", ""]
+    for path in sorted((ROOT / "tests/unit").glob("*_edges.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        lines.append(f"- `{path.relative_to(ROOT)}`: {' '.join(doc.split()).split(' (found by')[0]}")
     lines += ["", "## Not mutated", "", "Left out of the run on purpose:", ""]
     lines += [f"- `{function}`: {reason}" for function, reason in EXCLUDED.items()]
     lines += ["", "## Surviving mutants", "",
