@@ -76,6 +76,29 @@ def test_one_byte_past_the_limit_is_413(size, piece):
     assert error.message == f"the image at the URL is more than the {LIMIT} bytes allowed"
 
 
+async def in_two(request):
+    """?first= bytes, then a pause in which the fetch reads them, then ?second= more: two reads for certain."""
+    first, second = int(request.query["first"]), int(request.query["second"])
+    response = web.StreamResponse()
+    await response.prepare(request)
+    await response.write(b"a" * first)
+    # Not a timed assertion: the pause only lets the client's read of the first
+    # part run first (same event loop), however slow the machine.
+    await asyncio.sleep(0.3)
+    await response.write(b"b" * second)
+    await response.write_eof()
+    return response
+
+
+def test_a_body_read_in_two_parts_keeps_both():
+    assert fetch_from("/two?first=400&second=300", handlers={"/two": in_two}) == b"a" * 400 + b"b" * 300
+
+
+def test_the_byte_past_the_limit_is_waited_for_when_the_limit_came_first():
+    error = refusal(f"/two?first={LIMIT}&second=1", handlers={"/two": in_two})
+    assert (error.status, error.code) == (413, "image_too_large")
+
+
 def test_an_answer_other_than_200_is_that_requests_400():
     error = refusal("/missing")
     assert (error.status, error.message) == (400, "fetching the image URL answered HTTP 404")
