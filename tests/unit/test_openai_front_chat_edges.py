@@ -100,6 +100,9 @@ CASES = [
      "'response_format.json_schema' must be an object with a 'name' (and a 'schema')"),
     (body(response_format={"type": "json_schema", "json_schema": {"name": "a", "extra": 1}}), 400,
      "response_format.json_schema.extra", None, "'response_format.json_schema.extra' is not part of a json_schema"),
+    (body(response_format={"type": "json_schema", "json_schema": {"name": "a", "k" * 50: 1}}), 400,
+     "response_format.json_schema." + "k" * 40, None,
+     f"'response_format.json_schema.{'k' * 40}' is not part of a json_schema"),
     (body(response_format={"type": "json_schema", "json_schema": {"name": "a" * 65}}), 400,
      "response_format.json_schema.name", None,
      "'response_format.json_schema.name' must be 1 to 64 letters, digits, '_' or '-'"),
@@ -223,22 +226,42 @@ def test_url_refusals_say_why():
 
     error = refused_url("http://images.example.com:99999/x")
     assert (error.param, error.message) == ("messages[0].content", "the image URL is malformed")
-    error = refused_url("ftp://images.example.com/x")
-    assert error.message == "the image must be a data: URI (data:image/jpeg;base64,...) or an http(s) URL"
+    for url in ("ftp://images.example.com/x", "http:///x"):  # no scheme of ours, or no host
+        error = refused_url(url, allowlist=frozenset({"images.example.com", ""}))
+        assert (error.param, error.message) == (
+            "messages[0].content", "the image must be a data: URI (data:image/jpeg;base64,...) or an http(s) URL")
     error = refused_url("http://other.example.com/x")
     assert (error.code, error.param) == ("image_url_not_allowed", "messages[0].content")
-    assert error.message.startswith("remote image URLs are refused: send the image as a data: URI")
+    assert error.message == ("remote image URLs are refused: send the image as a data: URI (the server's "
+                             "OPENAI_FRONT_IMAGE_URL_ALLOWLIST does not list this host, or this port: only 80 and 443 "
+                             "unless an entry says host:port)")
     error = refused_url("http://10.0.0.1/x", allowlist=frozenset({"10.0.0.1"}))
-    assert (error.code, error.message) == ("image_url_not_allowed", "the image URL is refused: its host is a "
-                                                                    "loopback, private or otherwise non-public address")
+    assert (error.code, error.param, error.message) == (
+        "image_url_not_allowed", "messages[0].content",
+        "the image URL is refused: its host is a loopback, private or otherwise non-public address")
     allowed = chat.parse(body(content=[{"type": "image_url", "image_url": {"url": "http://10.0.0.1/x"}}]), 100,
                          frozenset({"10.0.0.1"}), allow_private_addresses=True)
     assert allowed.image_url == "http://10.0.0.1/x"
 
 
+def test_a_direct_check_refuses_private_addresses_unless_told_otherwise():
+    with pytest.raises(FrontError):
+        chat.check_remote_url("http://10.0.0.1/x", frozenset({"10.0.0.1"}))
+    chat.check_remote_url("http://10.0.0.1/x", frozenset({"10.0.0.1"}), allow_private_addresses=True)
+
+
+def test_a_plain_http_url_is_on_port_80():
+    chat.check_remote_url("http://images.example.com/x", frozenset({"images.example.com:80"}))
+    with pytest.raises(FrontError):
+        chat.check_remote_url("https://images.example.com/x", frozenset({"images.example.com:80"}))
+
+
 @pytest.mark.parametrize("address, allowed", [
     ("fe80::1%eth0", False), ("not-an-ip", False), ("::ffff:8.8.8.8", True), ("224.0.0.1", False),
     ("240.0.0.1", False), ("0.0.0.0", False), ("100.64.0.1", False), ("8.8.8.8", True),
+    # a zone id is cut off, and the address judged alone
+    ("8.8.8.8%eth0", True), ("8.8.8.8%a%b", True), ("10.0.0.1%eth0", False),
+    ("4000::1", False),  # reserved IPv6 space, which Python counts as global
 ])
 def test_addresses(address, allowed):
     assert chat.address_allowed(address) is allowed
