@@ -24,7 +24,22 @@ _VALUE_ERROR = ("Unreachable with the pinned aiohttp (3.14): every URL yarl refu
                 "a ClientError too, so the ClientError branch answers first (400 'fetching the image URL failed "
                 "(InvalidUrlClientError)'); the branch stays for older aiohttp releases.")
 
+_BOTH_CAUSES = ("Equivalent with the pinned aiohttp (3.14): a resolver's OSError is both the ClientConnectorError's "
+                "os_error and its __cause__; the `or` keeps releases that set only one of them refusing.")
+
+_SPLIT = "Equivalent: only the part before the first '%' is kept ([0]), however many splits are made."
+_NOT_GLOBAL = ("Equivalent: Python counts every loopback, link-local, private and unspecified address as not "
+               "is_global, which the same line requires, so how these four are combined cannot change the answer.")
+
 EQUIVALENT = {
+    "openai_front.chat.x_address_allowed__mutmut_8": _SPLIT,
+    "openai_front.chat.x_address_allowed__mutmut_11": _SPLIT,
+    "openai_front.chat.x_address_allowed__mutmut_19": _NOT_GLOBAL,
+    "openai_front.chat.x_address_allowed__mutmut_20": _NOT_GLOBAL,
+    "openai_front.chat.x_address_allowed__mutmut_21": _NOT_GLOBAL,
+    "openai_front.fetch.x_fetch_image__mutmut_2": ("Equivalent: aiohttp reads allow_redirects as a truth value, so None "
+                                                  "does not follow redirects either (a test checks a 302 is not followed)."),
+    "openai_front.fetch.x_fetch_image__mutmut_20": _BOTH_CAUSES,
     "resilience.x\u01c1CircuitBreaker\u01c1_set__mutmut_4": _GENERATION,
     "resilience.x\u01c1CircuitBreaker\u01c1_set__mutmut_5": _GENERATION,
     "resilience.x\u01c1CircuitBreaker\u01c1release__mutmut_2": _PROBE_FLAG,
