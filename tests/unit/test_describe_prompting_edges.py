@@ -3,7 +3,7 @@ a refusal blames (found by `make mutants`, docs/mutation.md)."""
 
 import pytest
 
-from prompting import PromptError, read_labels, read_prompt
+from prompting import PromptError, fallback_description, read_labels, read_prompt
 from settings import parse_settings
 
 
@@ -31,3 +31,8 @@ def test_a_prompt_that_is_not_utf8_blames_prompt():
         read_prompt(b"ab\xc3(", 100)
     assert info.value.field == "PROMPT"
     assert read_prompt(bytearray(" caf\xc3\xa9 ".encode("latin-1")), 4) == "café"
+
+
+def test_the_fallback_says_an_only_before_a_vowel():
+    assert fallback_description(["xylophone", "oboe"], [0.6, 0.3]) == \
+        "Most likely a xylophone (60%); it could also be an oboe (30%)."

@@ -5,7 +5,15 @@ docs/mutation.md)."""
 import email.utils
 import time
 
-from resilience import CircuitBreaker, Failure, classify_status, parse_retry_after, refuses_image, status_reason
+from resilience import (
+    CircuitBreaker,
+    Failure,
+    backoff_delay,
+    classify_status,
+    parse_retry_after,
+    refuses_image,
+    status_reason,
+)
 
 
 def test_a_status_below_500_that_no_table_names_is_unexpected_and_not_the_upstreams_fault():
@@ -67,3 +75,10 @@ def test_retry_after_below_a_second_is_kept():
     assert parse_retry_after({"retry-after": soon}, now=now + 29.5) == 0.5
     # without `now`, the date is read against the wall clock
     assert 0 < parse_retry_after({"retry-after": email.utils.formatdate(time.time() + 3600, usegmt=True)}) <= 3600
+
+
+def test_a_retry_after_gets_at_most_a_tenth_of_itself_as_jitter():
+    # attempt 3: the exponential ceiling is 0.25 * 4 = 1 s, all of it drawn (rand 1.0)
+    assert backoff_delay(3, 0.25, 4.0, retry_after_s=10.0, rand=lambda: 1.0) == 11.0
+    assert backoff_delay(3, 0.25, 4.0, retry_after_s=2.0, rand=lambda: 1.0) == 2.2
+    assert backoff_delay(3, 0.25, 4.0, retry_after_s=0.0, rand=lambda: 1.0) == 0.025  # a tenth of base_s

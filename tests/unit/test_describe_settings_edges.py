@@ -167,3 +167,18 @@ def test_an_empty_key_file_or_blank_variable_is_no_key(tmp_path):
     s = parse_settings({"env_prefix": "X_"}, {})
     assert s.load_api_key({"X_API_KEY": "  "}) == (None, "environment variable X_API_KEY")
     assert s.load_api_key({"X_API_KEY": "k", "LLM_API_KEY": "other"})[0] == "k"
+
+
+def test_override_refusals_say_what_the_value_must_be():
+    s = parse_settings({}, {})
+    for params, message in (({"model": ""}, "parameter 'model' must be a non-empty string"),
+                            ({"model": 3}, "parameter 'model' must be a non-empty string"),
+                            ({"max_tokens": True}, "parameter 'max_tokens' must be a number"),
+                            ({"temperature": float("nan")}, "parameter 'temperature' must be finite")):
+        with pytest.raises(InvalidOverride) as info:
+            s.resolve_overrides(params)
+        assert str(info.value) == message
+
+
+def test_a_timeout_under_a_second_may_be_asked_for():
+    assert parse_settings({}, {}).resolve_overrides({"timeout_s": 0.25}).timeout_s == 0.25

