@@ -22,6 +22,11 @@ results in build/mutants/results/, and docs/mutation.md is written from all of
 them, saying which run each module's figures come from. Every survivor needs a
 reason in tools/mutation/explained.py (equivalent, or harmless and why); the
 command fails when one has none, a module is not run or scores below TARGET.
+
+--again reruns, in the last run's stage, only the mutants no test detected,
+after bringing the stage's tests up to date: the quick way to check new tests
+(tests are only added, so a mutant killed before stays killed). The record
+names the command, so the report says which figures came from such a rerun.
 """
 
 import argparse
@@ -57,14 +62,13 @@ MODULES = {
     "openai_front.errors": "openai_front/errors.py",
     "classify_describe.client": "classify_describe/client.py",
 }
-# The unit tests that can reach those modules; mutmut runs, per mutant, the
-# ones among them that called the mutated function in the clean run.
-TESTS = [
-    "tests/unit/test_describe_*.py",
-    "tests/unit/test_openai_front*.py",
-    "tests/unit/test_error_contract.py",
-    "tests/unit/test_client*.py",
-]
+# The unit tests that can reach each module; mutmut runs, per mutant, those
+# of the run's tests that called the mutated function in its clean run.
+_BACKEND_TESTS = ["tests/unit/test_describe_*.py"]
+_FRONT_TESTS = ["tests/unit/test_openai_front*.py", "tests/unit/test_error_contract.py"]
+TESTS = {name: _BACKEND_TESTS for name in ("describer", "resilience", "settings", "prompting", "accounting")}
+TESTS.update({name: _FRONT_TESTS for name in ("openai_front.chat", "openai_front.fetch", "openai_front.errors")})
+TESTS["classify_describe.client"] = ["tests/unit/test_client*.py"]
 DESELECT = [
     # Checks the checkout's layout, which the stage changes on purpose (copies, not links).
     "tests/unit/test_error_contract.py::test_both_sides_read_the_one_file",
@@ -127,10 +131,23 @@ def build_stage(stage, modules):
                         if p.is_file() and p.relative_to(stage).as_posix() not in sources)
         elif rel not in sources:
             keep.add(rel)
-    tests = sorted({p.relative_to(stage).as_posix() for pattern in TESTS for p in stage.glob(pattern)})
+    patterns = {pattern for name in modules for pattern in TESTS[name]}
+    tests = sorted({p.relative_to(stage).as_posix() for pattern in patterns for p in stage.glob(pattern)})
     selection = tests + [f"--deselect={test}" for test in DESELECT]
     (stage / "pyproject.toml").write_text(pyproject(sources, sorted(keep), selection))
     return sources
+
+
+def refresh_tests(stage, modules):
+    """For --again: the stage's tests brought up to date (the modules must not have changed)."""
+    for name in modules:
+        if (stage / staged_path(name)).read_bytes() != (ROOT / MODULES[name]).read_bytes():
+            raise SystemExit(f"{MODULES[name]} changed since the last run in {stage}: run without --again")
+    for name in checkout_files():
+        if name.startswith("tests/"):
+            for root in (stage, stage / "mutants"):
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, root / name)
 
 
 def toml_list(items):
@@ -255,8 +272,12 @@ def report():
         lines.append(f"{run}. `{command}` on {started} UTC, {info['elapsed_s'] / 60:.0f} minutes, {info['cpu']}, "
                      f"load average {info['load']:.1f} at the start (a shared machine), mutmut {info['mutmut']}, "
                      f"Python {info['python']}")
-    lines += ["", "The tests the mutants run: " + ", ".join(f"`{t}`" for t in TESTS)
-              + "; left out (see DESELECT in tools/mutation/run.py for why):", ""]
+    groups = {}
+    for name, patterns in TESTS.items():
+        groups.setdefault(tuple(patterns), []).append(name)
+    lines += ["", "The tests each module's mutants may run (those that reach the mutated function):", ""]
+    lines += [f"- {', '.join(names)}: {', '.join(f'`{p}`' for p in patterns)}" for patterns, names in groups.items()]
+    lines += ["", "Left out (see DESELECT in tools/mutation/run.py for why):", ""]
     lines += [f"- `{test}`" for test in DESELECT]
     lines += ["", "## Tests written to kill survivors", "",
               "Survivors of the first runs that a plausible bug could look like were killed by new",
@@ -297,17 +318,24 @@ def main():
     parser.add_argument("--max-children", type=int, default=os.cpu_count())
     parser.add_argument("--work", type=pathlib.Path, default=WORK / "run",
                         help="where the stage and mutmut's files go (runs at the same time need their own)")
+    parser.add_argument("--again", action="store_true",
+                        help="in the last run's stage: bring the tests up to date and run again only the mutants "
+                             "no test detected (mutmut runs its stats for the new tests first)")
     parser.add_argument("--report-only", action="store_true", help="rewrite docs/mutation.md from the results kept")
     args = parser.parse_args()
     if not args.report_only:
         stage = args.work.resolve() / "stage"
         modules = args.module or list(MODULES)
-        command = "make mutants" + (f' MUTANTS_ARGS="{" ".join(f"--module {m}" for m in args.module)}"'
-                                    if args.module else "")
+        options = [f"--module {m}" for m in args.module or []] + (["--again"] if args.again else [])
+        command = "make mutants" + (f' MUTANTS_ARGS="{" ".join(options)}"' if options else "")
         started, load = datetime.datetime.now(datetime.timezone.utc), os.getloadavg()[0]
-        sources = build_stage(stage, modules)
-        globs = [g for name, path in zip(modules, sources) for g in function_globs(stage, name, path)]
-        if mutmut(stage, "run", "--max-children", str(args.max_children), *globs).returncode:
+        if args.again:
+            refresh_tests(stage, modules)
+            names = [m for m, s in results(stage).items() if s in UNDETECTED and module_of(m) in modules]
+        else:
+            sources = build_stage(stage, modules)
+            names = [g for name, path in zip(modules, sources) for g in function_globs(stage, name, path)]
+        if names and mutmut(stage, "run", "--max-children", str(args.max_children), *names).returncode:
             raise SystemExit("mutmut run failed; its output is above")
         elapsed_s = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
         record(stage, modules, results(stage), {
