@@ -265,3 +265,30 @@ def test_a_plain_http_url_is_on_port_80():
 ])
 def test_addresses(address, allowed):
     assert chat.address_allowed(address) is allowed
+
+
+def test_long_names_in_refusals_are_cut_at_40_characters():
+    error = refusal(body(response_format={"type": "json_object", "k" * 50: 1}))
+    assert (error.param, error.message) == ("response_format." + "k" * 40,
+                                            f"'response_format.{'k' * 40}' is not part of a json_object response_format")
+    with pytest.raises(FrontError) as info:
+        chat.decode_data_uri("data:application/" + "x" * 50 + ",abc", 100)
+    assert info.value.message == f"the data: URI's media type is {('application/' + 'x' * 50)[:40]!r}, not an image"
+
+
+def test_a_response_format_of_exactly_the_limit_passes():
+    value = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"x": "y" * (chat.MAX_CONVERSATION_CHARS - 74)}}}
+    assert chat.parse(body(response_format=value), 100).response_format == value
+    value["json_schema"]["schema"]["x"] += "y"
+    assert refusal(body(response_format=value)).param == "response_format"
+
+
+def test_a_percent_encoded_image_may_hold_commas():
+    assert chat.decode_data_uri("data:image/png,a,b", 100) == b"a,b"
+
+
+def test_base64_just_within_the_early_bound_is_decoded_and_then_measured():
+    # max_bytes 3 allows 4 * ceil(3 / 3) + 4 = 8 characters before decoding
+    with pytest.raises(FrontError) as info:
+        chat.decode_data_uri("data:;base64,QUJDRA==", 3)
+    assert (info.value.status, info.value.message) == (413, "the image is 4 bytes, more than the 3 allowed")
