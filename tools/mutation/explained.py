@@ -34,7 +34,14 @@ _NOT_GLOBAL = ("Equivalent: Python counts every loopback, link-local, private an
 _KEY_FILE = ("Equivalent here: without encoding=, open() uses the locale's, UTF-8 on this machine and in the image "
              "(Python's UTF-8 mode under the C locale), and API keys are ASCII; utf-8 stays so no locale can differ.")
 
+_CODEC = "Equivalent: codec names are case-insensitive ('UTF-8' is 'utf-8')."
+_FALSY = "Equivalent: the value is only read as a truth value, where None and False agree."
+
 EQUIVALENT = {
+    "openai_front.chat.x__valid_text__mutmut_3": _CODEC,
+    "openai_front.chat.x__response_format__mutmut_66": _CODEC,
+    "openai_front.chat.x__response_format__mutmut_60": _FALSY + " (json.dumps's ensure_ascii)",
+    "openai_front.chat.x__sampling__mutmut_12": _FALSY,
     "settings.x\u01c1Settings\u01c1load_api_key__mutmut_2": _KEY_FILE,
     "settings.x\u01c1Settings\u01c1load_api_key__mutmut_4": _KEY_FILE,
     "openai_front.chat.x_address_allowed__mutmut_8": _SPLIT,
@@ -49,7 +56,7 @@ EQUIVALENT = {
     "resilience.x\u01c1CircuitBreaker\u01c1_set__mutmut_5": _GENERATION,
     "resilience.x\u01c1CircuitBreaker\u01c1release__mutmut_2": _PROBE_FLAG,
     "resilience.x\u01c1CircuitBreaker\u01c1record_failure__mutmut_5": _PROBE_FLAG,
-    "prompting.x__utf8__mutmut_6": "Equivalent: codec names are case-insensitive ('UTF-8' is 'utf-8').",
+    "prompting.x__utf8__mutmut_6": _CODEC,
     "accounting.x_tokens_from__mutmut_20": "Equivalent: a missing completion_tokens gives None, and `None or 0` is 0.",
     "openai_front.fetch.x\u01c1PublicOnlyResolver\u01c1resolve__mutmut_1": _RESOLVER_DEFAULT,
     "openai_front.fetch.x\u01c1PublicOnlyResolver\u01c1resolve__mutmut_2": _RESOLVER_DEFAULT,
