@@ -6,7 +6,9 @@ against real servers: tests/unit/test_client.py."""
 import asyncio
 import base64
 import http.client
+import inspect
 import json
+import time
 
 import numpy as np
 import pytest
@@ -136,3 +138,25 @@ def test_a_response_becomes_a_result():
                                 "usage": {"cost_usd": 1e-06}, "latency_ms": 12.35}
     assert c._parse(Response(usage=b"{broken"), 0).usage == {"raw": "{broken"}
     assert c._text(7) == "7"
+
+
+def test_a_streams_latency_is_the_milliseconds_since_it_started():
+    state = c._StreamState()
+    time.sleep(0.05)  # a lower bound only: sleep never returns early
+    [done] = state.events({"DESCRIPTION_SOURCE": b"llm"})
+    assert 50 <= done.result.latency_ms < 600_000  # the upper bound only rules out a clock reading, not speed
+
+
+def test_an_image_that_is_not_bytes_is_refused_with_what_to_send():
+    for build in (lambda: c._generate_body("photo.jpg", None, None), lambda: c._build_inputs(httpclient, "photo.jpg", None)):
+        with pytest.raises(TypeError) as info:
+            build()
+        assert str(info.value) == "image must be the encoded bytes of a photo (JPEG, PNG, ...)"
+
+
+@pytest.mark.parametrize("cls", [c.Client, c.AsyncClient])
+def test_the_documented_defaults(cls):
+    defaults = {name: p.default for name, p in inspect.signature(cls).parameters.items()}
+    assert (defaults["url"], defaults["protocol"], defaults["model_name"], defaults["timeout_s"]) == (
+        "127.0.0.1:8000", "http", "classify_and_describe", 120.0)
+    assert (defaults["retries"], defaults["retry_backoff_s"]) == (0, 0.5)
