@@ -8,6 +8,7 @@ import base64
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
@@ -24,9 +25,10 @@ EVENTS = [
 class StandIn(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, events=EVENTS, status=200, ready=True):
+    def __init__(self, events=EVENTS, status=200, ready=True, hang=False):
         super().__init__(("127.0.0.1", 0), Handler)
         self.events, self.status, self.ready = events, status, ready
+        self.hang = threading.Event() if hang else None  # GETs wait for it (set at teardown)
         self.requests = []  # (method, path, body)
 
     @property
@@ -42,6 +44,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.server.requests.append(("GET", self.path, None))
+        if self.server.hang is not None:
+            self.server.hang.wait(30)
+            self.close_connection = True
+            return
         self.send_response(200 if self.server.ready else 503)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -69,6 +75,8 @@ def serve():
 
     yield start
     for server in servers:
+        if server.hang is not None:
+            server.hang.set()
         server.shutdown()
         server.server_close()
 
@@ -141,3 +149,13 @@ def test_ready_means_the_server_and_the_model(serve):
     assert [path for _, path, _ in server.requests] == ["/v2/health/ready", "/v2/models/mine/ready"]
     with Client(serve(ready=False).url) as client:
         assert not client.is_ready()
+
+
+def test_a_server_that_does_not_answer_is_given_up_on_after_timeout_s(serve):
+    server = serve(hang=True)
+    with Client(server.url, timeout_s=0.3) as client:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):  # geventhttpclient's socket timeout
+            client.is_ready()
+        # 0.3 s asked for, against tritonclient's own 60 s default: 20 s is room for a busy machine
+        assert time.monotonic() - started < 20

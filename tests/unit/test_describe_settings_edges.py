@@ -82,7 +82,7 @@ def test_a_boolean_that_is_neither_names_the_value():
 
 @pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
 def test_floats_must_be_finite(text):
-    assert "must be finite" in refusal({"timeout_s": text})
+    assert refusal({"timeout_s": text}) == f"config parameter 'timeout_s'={text!r} is invalid: must be finite"
 
 
 def test_choices_are_case_insensitive_and_lists_drop_blanks():
@@ -96,6 +96,9 @@ def test_choices_are_case_insensitive_and_lists_drop_blanks():
 @pytest.mark.parametrize("text", ['[1, 2]', '{"m": [1]}', '{"m": [1, 2, 3]}', '{"m": ["a", 1]}', '{"m": 1}', "{"])
 def test_model_prices_must_be_pairs_of_numbers(text):
     assert "'model_prices'" in refusal({"model_prices": text})
+    if text != "{":  # JSON that parses says what shape it must have
+        assert refusal({"model_prices": text}).endswith(
+            'is invalid: expected JSON like {"gpt-4o": [2.5, 10.0]} (USD per million tokens)')
 
 
 def test_model_prices_accept_integers_as_floats():
@@ -182,3 +185,9 @@ def test_override_refusals_say_what_the_value_must_be():
 
 def test_a_timeout_under_a_second_may_be_asked_for():
     assert parse_settings({}, {}).resolve_overrides({"timeout_s": 0.25}).timeout_s == 0.25
+
+
+def test_the_range_refusals_word_for_word():
+    assert refusal({"max_tokens": "0"}) == "invalid describe settings: max_tokens must be in [1, max_tokens_limit]"
+    assert refusal({"temperature": "2"}) == \
+        "invalid describe settings: temperature must be in [temperature_min, temperature_max]"

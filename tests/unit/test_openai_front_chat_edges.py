@@ -52,6 +52,8 @@ CASES = [
     (body({"role": 1}), 400, "messages[0]", None, "messages[0] must be an object with a 'role'"),
     (body({"role": "tool", "content": "x"}), 400, "messages[0].role", "unsupported_parameter",
      f"messages[0] has role 'tool': {NO_TOOLS}"),
+    (body({"role": "function", "content": "x"}), 400, "messages[0].role", "unsupported_parameter",
+     f"messages[0] has role 'function': {NO_TOOLS}"),
     (body({"role": "robot" * 10}), 400, "messages[0].role", None,
      f"messages[0] has role {('robot' * 10)[:40]!r}: only system, developer, user and assistant"),
     (body({"role": "assistant", "content": "x", "tool_calls": [], "name": "n"}), 400, "messages[0].name",
