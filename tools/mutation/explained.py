@@ -37,7 +37,21 @@ _KEY_FILE = ("Equivalent here: without encoding=, open() uses the locale's, UTF-
 _CODEC = "Equivalent: codec names are case-insensitive ('UTF-8' is 'utf-8')."
 _FALSY = "Equivalent: the value is only read as a truth value, where None and False agree."
 
+_FRESH_BREAKER = ("Equivalent: a fresh breaker's starting values are never read before they are set again: tickets "
+                  "only have to match the current generation, _opened_at is set when the circuit opens, and the "
+                  "probe flag is reset by the failure that opens it.")
+
 EQUIVALENT = {
+    "accounting.x_tokens_from__mutmut_8": "Equivalent: a missing prompt_tokens gives None, and `None or 0` is 0.",
+    "resilience.x\u01c1CircuitBreaker\u01c1__init____mutmut_9": _FRESH_BREAKER,
+    "resilience.x\u01c1CircuitBreaker\u01c1__init____mutmut_12": _FRESH_BREAKER,
+    "resilience.x\u01c1CircuitBreaker\u01c1__init____mutmut_13": _FRESH_BREAKER,
+    "resilience.x\u01c1CircuitBreaker\u01c1__init____mutmut_14": _FRESH_BREAKER,
+    "resilience.x\u01c1CircuitBreaker\u01c1__init____mutmut_15": _FRESH_BREAKER,
+    "resilience.x\u01c1CircuitBreaker\u01c1record_success__mutmut_4": _PROBE_FLAG,
+    "resilience.x\u01c1CircuitBreaker\u01c1record_success__mutmut_5": (
+        "Equivalent: after a success the circuit is closed, where the probe flag is not read, and the failure "
+        "that opens it again resets the flag before any probe."),
     "classify_describe.client.x__generate_body__mutmut_13": _CODEC,
     "classify_describe.client.x\u01c1_StreamState\u01c1events__mutmut_76": (
         "Harmless: a stream's latency_ms off by 0.1 % (x 1001 instead of 1000); a test checks it is milliseconds, "
