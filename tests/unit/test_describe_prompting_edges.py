@@ -3,7 +3,7 @@ a refusal blames (found by `make mutants`, docs/mutation.md)."""
 
 import pytest
 
-from prompting import PromptError, fallback_description, read_labels, read_prompt
+from prompting import PromptError, build_messages, fallback_description, read_labels, read_prompt
 from settings import parse_settings
 
 
@@ -36,3 +36,9 @@ def test_a_prompt_that_is_not_utf8_blames_prompt():
 def test_the_fallback_says_an_only_before_a_vowel():
     assert fallback_description(["xylophone", "oboe"], [0.6, 0.3]) == \
         "Most likely a xylophone (60%); it could also be an oboe (30%)."
+
+
+def test_the_question_lists_the_labels_by_score_whatever_order_they_came_in():
+    settings = parse_settings({"prompt_template": "{top_label}|{labels}"}, {})
+    [_, user] = build_messages(settings, ["apple", "zebra"], [0.1, 0.9], "q")
+    assert user["content"] == "zebra|- zebra (90.0%)\n- apple (10.0%)"

@@ -191,3 +191,18 @@ def test_the_range_refusals_word_for_word():
     assert refusal({"max_tokens": "0"}) == "invalid describe settings: max_tokens must be in [1, max_tokens_limit]"
     assert refusal({"temperature": "2"}) == \
         "invalid describe settings: temperature must be in [temperature_min, temperature_max]"
+
+
+def test_more_refusals_word_for_word():
+    assert refusal({"max_request_models": "-1"}) == "invalid describe settings: max_request_models must be >= 0"
+    assert refusal({"vision_refusal_memory_s": "-1"}) == \
+        "invalid describe settings: vision_refusal_memory_s must be >= 0"
+    assert refusal({"timeout_s": "31"}) == "invalid describe settings: timeout_s must not exceed total_timeout_s"
+    assert refusal({"api_key": "sk-1"}) == (
+        "config parameter 'api_key' is refused: never put the key in config; "
+        "set api_key_env (an environment variable name) or api_key_file (a path)")
+
+
+def test_the_process_environment_is_read_when_none_is_given(monkeypatch):
+    monkeypatch.setenv("LLM_MODEL", "from-the-environment")
+    assert parse_settings({}).model == "from-the-environment"
