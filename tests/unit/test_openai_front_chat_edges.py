@@ -58,6 +58,8 @@ CASES = [
      f"messages[0] has role {('robot' * 10)[:40]!r}: only system, developer, user and assistant"),
     (body({"role": "assistant", "content": "x", "tool_calls": [], "name": "n"}), 400, "messages[0].name",
      "unsupported_parameter", "'messages[0].name' is not supported: only 'role' and 'content' reach the LLM"),
+    (body({"role": "assistant", "content": "x", "k" * 50: 1}), 400, "messages[0]." + "k" * 40,
+     "unsupported_parameter", f"'messages[0].{'k' * 40}' is not supported: only 'role' and 'content' reach the LLM"),
     (body({"role": "assistant", "content": "x", "tool_calls": []}), 400, "messages[0].tool_calls",
      "unsupported_parameter", f"'messages[0].tool_calls' is not supported: {NO_TOOLS}"),
     (body({"role": "assistant", "content": "x", "function_call": {}}), 400, "messages[0].function_call",
