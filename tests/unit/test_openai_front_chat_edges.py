@@ -135,6 +135,7 @@ def test_fields_sent_as_null_or_ignored_change_nothing():
     streamed = chat.parse(body(stream=True, stream_options={"include_usage": None, "other": None}), 100)
     assert streamed.stream is True and streamed.include_usage is False
     assert chat.parse(body(stream=True, stream_options={"include_usage": True}), 100).include_usage is True
+    assert chat.parse(body(stream=True, stream_options={}), 100).include_usage is False
 
 
 def test_the_earlier_messages_become_the_conversation():
