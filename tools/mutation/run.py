@@ -226,8 +226,11 @@ def record(stage, modules, status, run):
         survivors = {m: {"status": s, "diff": diff_of(stage, m)} for m, s in sorted(mine.items())
                      if s in UNDETECTED}
         counts = {s: sum(1 for v in mine.values() if v == s) for s in sorted(set(mine.values()))}
-        (RESULTS / f"{name}.json").write_text(json.dumps({**run, "module": name, "counts": counts,
-                                                          "survivors": survivors}, indent=1))
+        path = RESULTS / f"{name}.json"
+        # An --again run adds to the full run it continues: the report names both.
+        history = json.loads(path.read_text())["runs"] if "--again" in run["command"] and path.exists() else []
+        path.write_text(json.dumps({"module": name, "runs": history + [run], "counts": counts,
+                                    "survivors": survivors}, indent=1))
 
 
 def score(counts):
@@ -258,7 +261,8 @@ def report():
             continue
         result = json.loads(path.read_text())
         counts = result["counts"]
-        run, _ = runs.setdefault((result["command"], result["started"]), (len(runs) + 1, result))
+        key = tuple((r["command"], r["started"]) for r in result["runs"])
+        run, _ = runs.setdefault(key, (len(runs) + 1, result["runs"]))
         lines.append(f"| {name} | {sum(counts.values())} | {counts.get('killed', 0)} | {counts.get('timeout', 0)} "
                      f"| {counts.get('survived', 0)} | {counts.get('no tests', 0)} | {score(counts):.1%} | {run} |")
         if score(counts) < TARGET:
@@ -268,10 +272,13 @@ def report():
             failures.append(f"{name}: {other} mutants neither detected nor undetected ({counts})")
         survivors.update(result["survivors"])
     lines += ["", "Runs:", ""]
-    for (command, started), (run, info) in runs.items():
-        lines.append(f"{run}. `{command}` on {started} UTC, {info['elapsed_s'] / 60:.0f} minutes, {info['cpu']}, "
-                     f"load average {info['load']:.1f} at the start (a shared machine), mutmut {info['mutmut']}, "
-                     f"Python {info['python']}")
+    for run, history in runs.values():
+        lines.append(f"{run}. " + ", then ".join(
+            f"`{info['command']}` on {info['started']} UTC, {info['elapsed_s'] / 60:.0f} minutes"
+            + (f", load average {info['load']:.1f} at the start" if info["load"] is not None else "")
+            for info in history)
+            + f" ({history[0]['cpu']}, shared with other work; mutmut {history[0]['mutmut']}, "
+              f"Python {history[0]['python']})")
     groups = {}
     for name, patterns in TESTS.items():
         groups.setdefault(tuple(patterns), []).append(name)
