@@ -44,7 +44,12 @@ _FRESH_BREAKER = ("Equivalent: a fresh breaker's starting values are never read 
 _NONE_IS_ABSENT = ("Equivalent: the next lines read None as absent (false), as OpenAI reads a null field, so a "
                    "default of None or no default gives the same request.")
 
+_CONN_LIMIT = ("Equivalent in what a caller sees: the semaphore of `concurrency` already holds requests in flight "
+               "to that number, so aiohttp's own connection cap (100 without conn_limit) is never reached first.")
+
 EQUIVALENT = {
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_38": _CONN_LIMIT,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_41": _CONN_LIMIT,
     "openai_front.chat.x_parse__mutmut_41": _NONE_IS_ABSENT,
     "openai_front.chat.x_parse__mutmut_43": _NONE_IS_ABSENT,
     "openai_front.chat.x_parse__mutmut_95": _NONE_IS_ABSENT,
