@@ -212,9 +212,23 @@ def cpu():
     return f"{model}, {os.cpu_count()} CPUs"
 
 
-def diff_of(stage, mutant):
-    shown = mutmut(stage, "show", mutant, capture=True).stdout.strip().splitlines()
-    return "\n".join(line for line in shown[1:] if line.startswith(("+", "-")) and not line.startswith(("+++", "---")))
+# What `mutmut show NAME` prints, for many mutants in one process (one `mutmut
+# show` each costs seconds on a loaded machine, with hundreds of survivors).
+_SHOW = """
+import json, sys
+from mutmut.mutation.diff_apply import find_mutant, get_diff_for_mutant
+print(json.dumps({name: get_diff_for_mutant(name, path=find_mutant(name).path) for name in sys.argv[1:]}))
+"""
+
+
+def diffs_of(stage, mutants):
+    if not mutants:
+        return {}
+    shown = subprocess.run([sys.executable, "-c", _SHOW, *mutants], cwd=stage, text=True, capture_output=True,
+                           check=True).stdout
+    return {name: "\n".join(line for line in diff.splitlines() if line.startswith(("+", "-"))
+                            and not line.startswith(("+++", "---")))
+            for name, diff in json.loads(shown.splitlines()[-1]).items()}
 
 
 def record(stage, modules, status, run):
@@ -223,8 +237,8 @@ def record(stage, modules, status, run):
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in modules:
         mine = {m: s for m, s in status.items() if module_of(m) == name}
-        survivors = {m: {"status": s, "diff": diff_of(stage, m)} for m, s in sorted(mine.items())
-                     if s in UNDETECTED}
+        undetected = sorted(m for m, s in mine.items() if s in UNDETECTED)
+        survivors = {m: {"status": mine[m], "diff": diff} for m, diff in diffs_of(stage, undetected).items()}
         counts = {s: sum(1 for v in mine.values() if v == s) for s in sorted(set(mine.values()))}
         path = RESULTS / f"{name}.json"
         # An --again run adds to the full run it continues: the report names both.
