@@ -283,7 +283,7 @@ def report():
             failures.append(f"{name} scores {score(counts):.1%} < {TARGET:.0%}")
         other = sum(counts.values()) - sum(counts.get(s, 0) for s in DETECTED | UNDETECTED)
         if other:
-            failures.append(f"{name}: {other} mutants neither detected nor undetected ({counts})")
+            failures.append(f"{name}: {other} mutants not checked ({counts})")
         survivors.update(result["survivors"])
     lines += ["", "Runs:", ""]
     for run, history in runs.values():
@@ -343,8 +343,19 @@ def main():
                         help="in the last run's stage: bring the tests up to date and run again only the mutants "
                              "no test detected (mutmut runs its stats for the new tests first)")
     parser.add_argument("--report-only", action="store_true", help="rewrite docs/mutation.md from the results kept")
+    parser.add_argument("--stopped", metavar="COMMAND",
+                        help="record what a run of COMMAND stopped before its end left in --work (mutants it did not "
+                             "reach count as not checked), then rewrite docs/mutation.md")
     args = parser.parse_args()
-    if not args.report_only:
+    if args.stopped:
+        stage = args.work.resolve() / "stage"
+        started = datetime.datetime.fromtimestamp(stage.stat().st_ctime, datetime.timezone.utc)
+        elapsed_s = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+        record(stage, args.module or list(MODULES), results(stage), {
+            "command": f"{args.stopped} (stopped before its end)", "started": f"{started:%Y-%m-%d %H:%M}",
+            "elapsed_s": elapsed_s, "load": None, "cpu": cpu(), "mutmut": mutmut_version(),
+            "python": platform.python_version()})
+    elif not args.report_only:
         stage = args.work.resolve() / "stage"
         modules = args.module or list(MODULES)
         options = [f"--module {m}" for m in args.module or []] + (["--again"] if args.again else [])
