@@ -349,7 +349,7 @@ def main():
     args = parser.parse_args()
     if args.stopped:
         stage = args.work.resolve() / "stage"
-        started = datetime.datetime.fromtimestamp(stage.stat().st_ctime, datetime.timezone.utc)
+        started = datetime.datetime.fromtimestamp((stage / "pyproject.toml").stat().st_mtime, datetime.timezone.utc)
         elapsed_s = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
         record(stage, args.module or list(MODULES), results(stage), {
             "command": f"{args.stopped} (stopped before its end)", "started": f"{started:%Y-%m-%d %H:%M}",
