@@ -192,6 +192,10 @@ def mutmut(stage, *args, capture=False):
                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
 
 
+def function_of(mutant):
+    return mutant.split("__mutmut_")[0]
+
+
 def module_of(mutant):
     return mutant.split(".x_")[0].split(".x\u01c1")[0]
 
@@ -236,7 +240,7 @@ def record(stage, modules, status, run):
     some modules each update theirs and the report gathers them all."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in modules:
-        mine = {m: s for m, s in status.items() if module_of(m) == name}
+        mine = {m: s for m, s in status.items() if module_of(m) == name and function_of(m) not in EXCLUDED}
         undetected = sorted(m for m, s in mine.items() if s in UNDETECTED)
         survivors = {m: {"status": mine[m], "diff": diff} for m, diff in diffs_of(stage, undetected).items()}
         counts = {s: sum(1 for v in mine.values() if v == s) for s in sorted(set(mine.values()))}
