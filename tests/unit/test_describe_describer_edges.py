@@ -3,11 +3,12 @@ what counts as an answer, the search for a cause in a chain of exceptions,
 and warnings at most once per reason per interval (found by `make mutants`,
 docs/mutation.md)."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from describer import Describer, Job, _answer_text, _caused_by
+from describer import Describer, Job, WholeAnswer, _answer_text, _caused_by
 from resilience import MalformedResponse
 from scrubbing import Scrubber
 from settings import Overrides, parse_settings
@@ -92,3 +93,38 @@ def test_a_warning_goes_out_at_most_once_per_reason_every_ten_seconds():
     assert log.lines == ["a1", "b1", "a4"]
     quiet = Describer(SETTINGS, None, Scrubber([]), log=None, clock=clock)
     quiet._warn_rate_limited("a", "nobody listens")  # no log: nothing to do, nothing raised
+
+
+def status_error(status, message, body):
+    import httpx2
+    import openai
+
+    request = httpx2.Request("POST", "https://llm.example/v1/chat/completions")
+    return openai.APIStatusError(message, response=httpx2.Response(status, request=request), body=body)
+
+
+def test_an_image_refusal_is_not_retried_and_says_nothing_about_the_upstreams_health():
+    describer = Describer(SETTINGS, None, Scrubber([]), log=Log())
+    # the words are in the body only, or in the message only: either is read
+    for message, body in (("Error code: 400", {"error": {"message": "image_url is only supported by certain models"}}),
+                          ("this model is not a multimodal model", None)):
+        failure = describer.classify_failure(status_error(400, message, body))
+        assert (failure.reason, failure.retryable, failure.upstream_fault) == ("image_refused_by_upstream", False, False)
+    assert describer.classify_failure(status_error(400, "Error code: 400", {"error": "max_tokens"})).reason == \
+        "bad_request_http_400"
+
+
+def test_every_failure_kind_is_warned_about_with_the_exceptions_type():
+    log = Log()
+    describer = Describer(SETTINGS, None, Scrubber([]), log=log, clock=Clock())
+    describer.classify_failure(ValueError("not a completion"))
+    describer.classify_failure(TimeoutError())
+    assert log.lines == ["upstream attempt failed (malformed_response): ValueError: not a completion",
+                         "upstream attempt failed (timeout): TimeoutError: "]
+
+
+def test_an_answer_of_exactly_the_longest_kept_is_whole():
+    reader = WholeAnswer(SimpleNamespace(max_chars=5))
+    assert asyncio.run(reader.read(SimpleNamespace(value=("abcde", "stop")))) == ("abcde", "stop", None)
+    text, reason, failure = asyncio.run(reader.read(SimpleNamespace(value=("abcdef", "stop"))))
+    assert (text, reason, failure.reason) == ("abcde", "length", "answer_too_long")
