@@ -47,7 +47,26 @@ _NONE_IS_ABSENT = ("Equivalent: the next lines read None as absent (false), as O
 _CONN_LIMIT = ("Equivalent in what a caller sees: the semaphore of `concurrency` already holds requests in flight "
                "to that number, so aiohttp's own connection cap (100 without conn_limit) is never reached first.")
 
+_RATE_KEY = "Equivalent: the string is only the key that rate-limits this one warning; any key distinct from the failure reasons does."
+_CACHE_PREFIX = "Equivalent: the prefix only has to be the same for every key; the digest after it tells photos apart."
+_SDK_TIMEOUT = ("Harmless: the attempt is bounded by Call.wait(..., timeout) as well; the SDK's own timeout only "
+                "closes the connection a little sooner.")
+
 EQUIVALENT = {
+    "describer.x\u01c1Describer\u01c1_remember_image_refusal__mutmut_3": _RATE_KEY,
+    "describer.x\u01c1Describer\u01c1_remember_image_refusal__mutmut_7": _RATE_KEY,
+    "describer.x\u01c1Describer\u01c1_remember_image_refusal__mutmut_8": _RATE_KEY,
+    "describer.x\u01c1Job\u01c1cache_key__mutmut_6": _CACHE_PREFIX,
+    "describer.x\u01c1Job\u01c1cache_key__mutmut_7": _CACHE_PREFIX,
+    "describer.x\u01c1WholeAnswer\u01c1attempt__mutmut_13": _SDK_TIMEOUT,
+    "describer.x\u01c1WholeAnswer\u01c1attempt__mutmut_17": _SDK_TIMEOUT,
+    "describer.x\u01c1WholeAnswer\u01c1attempt__mutmut_18": _SDK_TIMEOUT,
+    "describer.x\u01c1WholeAnswer\u01c1attempt__mutmut_25": ("Equivalent: the SDK's ChatCompletion always has a usage "
+                                                            "attribute (None when the upstream sent none)."),
+    "describer.x\u01c1Describer\u01c1_refused_image__mutmut_5": ("Harmless: differs only at the one instant the "
+                                                                "refusal memory ends, which a float clock does not hit."),
+    "describer.x\u01c1Describer\u01c1_sleep__mutmut_4": ("Harmless: at most one more zero-length sleep and "
+                                                        "cancellation check when the back-off ends exactly."),
     "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_38": _CONN_LIMIT,
     "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_41": _CONN_LIMIT,
     "openai_front.chat.x_parse__mutmut_41": _NONE_IS_ABSENT,
@@ -98,4 +117,53 @@ EQUIVALENT = {
     "openai_front.fetch.x_fetch_image__mutmut_38": _VALUE_ERROR,
     "openai_front.fetch.x_fetch_image__mutmut_39": _VALUE_ERROR,
     "openai_front.fetch.x_fetch_image__mutmut_40": _VALUE_ERROR,
+}
+
+# Killed by tests written after the run that found them, not yet confirmed by a
+# run of make mutants: each was applied with `mutmut apply` in that run's stage
+# and the named test file failed on it.
+_DESCRIBER_EDGES = ("Killed by tests/unit/test_describe_describer_edges.py, written after the describer run was "
+                    "stopped (checked with `mutmut apply` in its stage; not yet in a make mutants run).")
+KILLED_AFTER = {
+    "describer.x__answer_text__mutmut_10": _DESCRIBER_EDGES,
+    "describer.x__answer_text__mutmut_11": _DESCRIBER_EDGES,
+    "describer.x__answer_text__mutmut_3": _DESCRIBER_EDGES,
+    "describer.x__answer_text__mutmut_4": _DESCRIBER_EDGES,
+    "describer.x__answer_text__mutmut_5": _DESCRIBER_EDGES,
+    "describer.x__answer_text__mutmut_9": _DESCRIBER_EDGES,
+    "describer.x__caused_by__mutmut_10": _DESCRIBER_EDGES,
+    "describer.x__caused_by__mutmut_4": _DESCRIBER_EDGES,
+    "describer.x__caused_by__mutmut_7": _DESCRIBER_EDGES,
+    "describer.x__caused_by__mutmut_8": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1_warn_rate_limited__mutmut_1": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1_warn_rate_limited__mutmut_10": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1_warn_rate_limited__mutmut_3": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1_warn_rate_limited__mutmut_4": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1_warn_rate_limited__mutmut_5": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1_warn_rate_limited__mutmut_9": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_15": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_16": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_19": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_21": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_58": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_62": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_8": _DESCRIBER_EDGES,
+    "describer.x\u01c1Describer\u01c1classify_failure__mutmut_9": _DESCRIBER_EDGES,
+    "describer.x\u01c1Job\u01c1cache_key__mutmut_11": _DESCRIBER_EDGES,
+    "describer.x\u01c1Job\u01c1cache_key__mutmut_12": _DESCRIBER_EDGES,
+    "describer.x\u01c1Job\u01c1cache_key__mutmut_16": _DESCRIBER_EDGES,
+    "describer.x\u01c1Job\u01c1cache_key__mutmut_17": _DESCRIBER_EDGES,
+    "describer.x\u01c1WholeAnswer\u01c1read__mutmut_2": _DESCRIBER_EDGES,
+}
+
+# Survivors neither killed nor shown harmless yet: the run fails on them.
+_OPEN_ERROR_SOURCE = ("Open: with on_failure=error (or a JSON response_format) the error result's source is "
+                      "only read for USAGE.vision, which an error answer does not send; a test through the adapter "
+                      "would have to look at the metrics.")
+OPEN = {
+    "describer.x\u01c1Describer\u01c1_bill__mutmut_17": ("Open: the price of a model listed in model_prices; a "
+                                                         "describe() test with per-model prices would kill it."),
+    "describer.x\u01c1Describer\u01c1_fallback__mutmut_17": _OPEN_ERROR_SOURCE,
+    "describer.x\u01c1Describer\u01c1_fallback__mutmut_25": _OPEN_ERROR_SOURCE,
+    "describer.x\u01c1Describer\u01c1_fallback__mutmut_26": _OPEN_ERROR_SOURCE,
 }

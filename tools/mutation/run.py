@@ -25,8 +25,12 @@ command fails when one has none, a module is not run or scores below TARGET.
 
 --again reruns, in the last run's stage, only the mutants no test detected,
 after bringing the stage's tests up to date: the quick way to check new tests
-(tests are only added, so a mutant killed before stays killed). The record
+(tests are only added, so a mutant killed before stays killed). It sees new
+tests in the test files the run started with; a new test file needs a full run
+(mutmut resets every result when its test selection changes). The record
 names the command, so the report says which figures came from such a rerun.
+--stopped records a run cut short: the mutants it did not reach are counted
+as not checked, and the module fails the target until a full run.
 """
 
 import argparse
@@ -41,7 +45,7 @@ import shutil
 import subprocess
 import sys
 
-from tools.mutation.explained import EQUIVALENT, EXCLUDED
+from tools.mutation.explained import EQUIVALENT, EXCLUDED, KILLED_AFTER, OPEN
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORK = ROOT / "build/mutants"
@@ -315,14 +319,16 @@ def report():
     lines += ["", "## Surviving mutants", "",
               "Each with the reason it is equivalent or harmless (tools/mutation/explained.py).", ""]
     for mutant, found in sorted(survivors.items()):
-        reason = EQUIVALENT.get(mutant)
-        if reason is None:
+        reason = EQUIVALENT.get(mutant) or KILLED_AFTER.get(mutant) or OPEN.get(mutant)
+        if mutant in OPEN:
+            failures.append(f"{mutant} is open (tools/mutation/explained.py)")
+        elif reason is None:
             failures.append(f"{mutant} survived without a reason in tools/mutation/explained.py")
             reason = "**Not explained.**"
         lines += [f"### `{mutant}` ({found['status']})", "", reason, "", "```diff", found["diff"], "```", ""]
     if not survivors:
         lines += ["None.", ""]
-    stale = sorted(m for m in EQUIVALENT if m not in survivors and (RESULTS / f"{module_of(m)}.json").exists())
+    stale = sorted(m for m in {**EQUIVALENT, **KILLED_AFTER, **OPEN} if m not in survivors and (RESULTS / f"{module_of(m)}.json").exists())
     if stale:
         lines += ["## Reasons no longer needed", "", "Killed now, or gone; their entries in explained.py can go:", ""]
         lines += [f"- `{mutant}`" for mutant in stale] + [""]
