@@ -47,7 +47,8 @@ _NONE_IS_ABSENT = ("Equivalent: the next lines read None as absent (false), as O
 _CONN_LIMIT = ("Equivalent in what a caller sees: the semaphore of `concurrency` already holds requests in flight "
                "to that number, so aiohttp's own connection cap (100 without conn_limit) is never reached first.")
 
-_RATE_KEY = "Equivalent: the string is only the key that rate-limits this one warning; any key distinct from the failure reasons does."
+_RATE_KEY = ("Equivalent: the string is only the key that rate-limits this one warning; any key distinct from "
+             "the failure reasons does.")
 _CACHE_PREFIX = "Equivalent: the prefix only has to be the same for every key; the digest after it tells photos apart."
 _SDK_TIMEOUT = ("Harmless: the attempt is bounded by Call.wait(..., timeout) as well; the SDK's own timeout only "
                 "closes the connection a little sooner.")

@@ -328,7 +328,8 @@ def report():
         lines += [f"### `{mutant}` ({found['status']})", "", reason, "", "```diff", found["diff"], "```", ""]
     if not survivors:
         lines += ["None.", ""]
-    stale = sorted(m for m in {**EQUIVALENT, **KILLED_AFTER, **OPEN} if m not in survivors and (RESULTS / f"{module_of(m)}.json").exists())
+    reasons = {**EQUIVALENT, **KILLED_AFTER, **OPEN}
+    stale = sorted(m for m in reasons if m not in survivors and (RESULTS / f"{module_of(m)}.json").exists())
     if stale:
         lines += ["## Reasons no longer needed", "", "Killed now, or gone; their entries in explained.py can go:", ""]
         lines += [f"- `{mutant}`" for mutant in stale] + [""]
