@@ -44,6 +44,10 @@ class StandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
     def ModelStreamInfer(self, request_iterator, context):
         self.requests.append(next(request_iterator))
         yield from self.responses
+        # Like Triton, keep the stream open until the client ends it: a client
+        # that missed the final flag would wait here, not see the stream end.
+        for _ in request_iterator:
+            pass
 
 
 @pytest.fixture
@@ -90,7 +94,10 @@ def test_the_async_grpc_stream_does_the_same(serve):
 
     async def main():
         async with AsyncClient(url, protocol="grpc", timeout_s=10) as client:
-            return [e async for e in client.stream(b"img", "why?", {"temperature": 0.5}, model_name="describe_stream")]
+            async def events():
+                return [e async for e in client.stream(b"img", "why?", {"temperature": 0.5}, model_name="describe_stream")]
+
+            return await asyncio.wait_for(events(), 30)  # generous: a client that misses the final flag waits forever
 
     check(stand_in, asyncio.run(main()), model="describe_stream", asks_for_empty_final=False)
 
