@@ -53,7 +53,24 @@ _CACHE_PREFIX = "Equivalent: the prefix only has to be the same for every key; t
 _SDK_TIMEOUT = ("Harmless: the attempt is bounded by Call.wait(..., timeout) as well; the SDK's own timeout only "
                 "closes the connection a little sooner.")
 
+_SIGNATURE = ("Checked by test_the_documented_defaults through the signature, which mutmut's trampoline keeps as "
+              "the original's; only a call without arguments could tell, and that needs a server on 127.0.0.1:8000.")
+_AIO_EMPTY_FINAL = ("Equivalent with the pinned tritonclient (2.51): its asyncio stream_infer does not pass "
+                    "enable_empty_final_response on (test_the_async_grpc_stream_does_the_same shows it arrives unset).")
+
 EQUIVALENT = {
+    "classify_describe.client.x\u01c1Client\u01c1__init____mutmut_16": _FALSY,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_39": _CODEC,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_24": _CODEC,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_1": _SIGNATURE,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_4": _SIGNATURE,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_5": _SIGNATURE,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_6": _SIGNATURE,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1__init____mutmut_7": _SIGNATURE,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_grpc_stream__mutmut_14": _AIO_EMPTY_FINAL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_grpc_stream__mutmut_15": _AIO_EMPTY_FINAL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_grpc_stream__mutmut_16": _AIO_EMPTY_FINAL,
+
     "describer.x\u01c1Describer\u01c1_remember_image_refusal__mutmut_3": _RATE_KEY,
     "describer.x\u01c1Describer\u01c1_remember_image_refusal__mutmut_7": _RATE_KEY,
     "describer.x\u01c1Describer\u01c1_remember_image_refusal__mutmut_8": _RATE_KEY,
@@ -161,7 +178,44 @@ KILLED_AFTER = {
 _OPEN_ERROR_SOURCE = ("Open: with on_failure=error (or a JSON response_format) the error result's source is "
                       "only read for USAGE.vision, which an error answer does not send; a test through the adapter "
                       "would have to look at the metrics.")
+_OPEN_STALL = ("Open: a stream whose server stops answering; the stand-ins answer at once, so no test waits on "
+               "timeout_s yet.")
+_OPEN_CANCEL = "Open: the server-side cancellation when a caller leaves a gRPC stream early; the stand-in does not see it."
+_OPEN_HEADER = ("Open: the stand-in does not look at Content-Type; whether Triton's generate_stream needs it is "
+                "for an integration test.")
+_OPEN_IPV6 = "Open: only an IPv6 URL ([::1]:8000) tells partition from rpartition; no test streams over IPv6."
+_OPEN_WINDOW = ("Open: infer_many would draw more images than the window from the iterable (the semaphore still caps "
+                "requests); a test counting draws would kill it.")
 OPEN = {
+    "classify_describe.client.x\u01c1Client\u01c1_grpc_stream__mutmut_10": _OPEN_STALL,
+    "classify_describe.client.x\u01c1Client\u01c1_grpc_stream__mutmut_12": _OPEN_STALL,
+    "classify_describe.client.x\u01c1Client\u01c1_grpc_stream__mutmut_26": _OPEN_STALL,
+    "classify_describe.client.x\u01c1Client\u01c1_grpc_stream__mutmut_30": _OPEN_STALL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_grpc_stream__mutmut_19": _OPEN_STALL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_grpc_stream__mutmut_21": _OPEN_STALL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_grpc_stream__mutmut_25": _OPEN_STALL,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_8": _OPEN_STALL,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_11": _OPEN_STALL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_1": _OPEN_STALL,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_2": _OPEN_STALL,
+    "classify_describe.client.x\u01c1Client\u01c1_grpc_stream__mutmut_38": _OPEN_CANCEL,
+    "classify_describe.client.x\u01c1Client\u01c1_grpc_stream__mutmut_39": _OPEN_CANCEL,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_20": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_29": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_30": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_31": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_32": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_33": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_5": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_8": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_15": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_16": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_17": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_18": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1_http_stream__mutmut_19": _OPEN_HEADER,
+    "classify_describe.client.x\u01c1Client\u01c1_http_stream__mutmut_3": _OPEN_IPV6,
+    "classify_describe.client.x\u01c1AsyncClient\u01c1infer_many__mutmut_25": _OPEN_WINDOW,
+
     "describer.x\u01c1Describer\u01c1_bill__mutmut_17": ("Open: the price of a model listed in model_prices; a "
                                                          "describe() test with per-model prices would kill it."),
     "describer.x\u01c1Describer\u01c1_fallback__mutmut_17": _OPEN_ERROR_SOURCE,
