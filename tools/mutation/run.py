@@ -45,7 +45,7 @@ import shutil
 import subprocess
 import sys
 
-from tools.mutation.explained import EQUIVALENT, EXCLUDED, KILLED_AFTER, OPEN
+from tools.mutation.explained import EQUIVALENT, EXCLUDED, KILLED_AFTER, OPEN, RUN_NOTES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 WORK = ROOT / "build/mutants"
@@ -303,6 +303,7 @@ def report():
             for info in history)
             + f" ({history[0]['cpu']}, shared with other work; mutmut {history[0]['mutmut']}, "
               f"Python {history[0]['python']})")
+    lines += [""] + [f"Note: {note}" for note in RUN_NOTES]
     groups = {}
     for name, patterns in TESTS.items():
         groups.setdefault(tuple(patterns), []).append(name)
