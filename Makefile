@@ -57,6 +57,7 @@ help:
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
 	@echo "make overload       goodput per client kind at 20x the saturating load; nothing lost"
+	@echo "make mutants        mutation testing of the pure modules with the unit tests -> docs/mutation.md (long)"
 	@echo "make int8-cpus      the int8 graph under emulated AVX2-only CPUs (no VNNI) vs this one (~10 min; installs qemu-user)"
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
@@ -216,3 +217,12 @@ overload: build
 int8-cpus: build
 	command -v qemu-x86_64 >/dev/null || { apt-get update -qq && apt-get install -y -qq qemu-user; }
 	$(PY) -m tools.int8_cross_cpu --results docs/results/int8-cross-cpu.json
+
+# Mutation testing (docs/mutation.md): mutmut over the pure modules, each mutant
+# running only the unit tests that reach the mutated function; not part of
+# `make test`. Fails when a module scores under 85 % or a surviving mutant has
+# no reason in tools/mutation/explained.py. Raw output: build/mutants/.
+#   make mutants MUTANTS_ARGS="--module resilience --module accounting"
+.PHONY: mutants
+mutants: build
+	$(PY) -m tools.mutation.run $(MUTANTS_ARGS)
