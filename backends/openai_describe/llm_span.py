@@ -20,6 +20,9 @@ Spans leave from the batch span processor's thread; a queue that is full drops
 them (OTEL_BSP_MAX_QUEUE_SIZE), so a slow or dead collector never holds a request.
 """
 
+import logging
+import time
+
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -37,18 +40,44 @@ FAILED = ("fallback", "error", "partial")
 _propagator = TraceContextTextMapPropagator()
 
 
-def from_environment(environ, exporter=None):
+def from_environment(environ, log):
     """LlmSpans exporting over OTLP/HTTP protobuf, or None when tracing is off.
     The SDK reads the rest of its settings from the environment itself: the
     endpoint, OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_BSP_*,
-    OTEL_EXPORTER_OTLP_TRACES_TIMEOUT. `exporter`: another SpanExporter (tests)."""
+    OTEL_EXPORTER_OTLP_TRACES_TIMEOUT. `log`: the model's (model_log.Log)."""
     if not environ.get(ENDPOINT_ENV):
         return None
+    sdk_log = logging.getLogger("opentelemetry")
+    sdk_log.handlers = [h for h in sdk_log.handlers if not isinstance(h, ExportTrouble)] + [ExportTrouble(log)]
+    sdk_log.propagate = False
     # ALWAYS_ON: the decision is Triton's (a span is only made for a request it
     # traces), whatever the sampled flag of the context it hands down.
     provider = TracerProvider(resource=Resource.create(), sampler=ALWAYS_ON)
-    provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     return LlmSpans(provider)
+
+
+class ExportTrouble(logging.Handler):
+    """The SDK's own warnings (an export failed, the queue is full) into the
+    model's log: one line a minute at most, since a collector that is down
+    fails every batch, and without the SDK's text or traceback, which quote
+    the collector's URL (whose query may hold a token)."""
+
+    EVERY_S = 60.0
+
+    def __init__(self, log, clock=time.monotonic):
+        super().__init__(logging.WARNING)
+        self.log, self.clock, self.last = log, clock, None
+
+    def emit(self, record):
+        now = self.clock()
+        if self.last is not None and now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        # The exception's type, or the fixed start of the SDK's message (before its first argument).
+        what = type(record.exc_info[1]).__name__ if record.exc_info else str(record.msg).split("%")[0].strip(" :,.")
+        self.log.warn(f"LLM-call spans: the OpenTelemetry SDK reports trouble exporting to the collector ({what}); "
+                      f"spans may be lost, requests are not affected (at most one such line every {self.EVERY_S:g} s)")
 
 
 class LlmSpans:

@@ -76,7 +76,7 @@ class TritonPythonModel:
         self.thread.start()
 
         # The LLM call's own span when tracing is on (the supervisor passes the collector's URL).
-        self.spans = llm_span.from_environment(os.environ)
+        self.spans = llm_span.from_environment(os.environ, self.log)
 
         async def build():
             client = make_client(s, api_key) if api_key is not None else None

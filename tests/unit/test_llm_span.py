@@ -160,3 +160,21 @@ def test_a_collector_that_never_answers_costs_spans_not_requests(fake_pb_utils_m
     finally:
         collector.close()
     assert len(fake.stats()["traceparents"]) == 5
+
+
+def test_a_dead_collector_is_said_once_in_the_log_without_its_url(fake_pb_utils_module, fake, monkeypatch):
+    """Connection refused on every export: one warning, which names neither the
+    URL's query (a collector token may be there) nor the SDK's traceback."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now: every export is refused
+    monkeypatch.setenv(llm_span.ENDPOINT_ENV, f"http://127.0.0.1:{port}/v1/traces?token=secret-token")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1")
+    serve(fake_pb_utils_module, monkeypatch, fake, "describe", [CONTEXT] * 3)
+    logged = [message for _, message in fake_pb_utils_module.Logger.records]
+    trouble = [m for m in logged if "trouble exporting" in m]
+    assert len(trouble) == 1, logged
+    assert "ConnectionError" in trouble[0]
+    assert not [m for m in logged if "secret-token" in m or "Traceback" in m]
+    assert len(fake.stats()["traceparents"]) == 3, "every request went up"
