@@ -8,11 +8,15 @@ import base64
 import json
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from test_describe_describer import job, run
 from test_describe_model import KEY, make_model
 from test_describe_stream_model import labelling_classifier, make_stream_model, sent
 from test_describe_trace import TRACEPARENT, traced
@@ -20,6 +24,7 @@ from test_describe_trace import TRACEPARENT, traced
 from tools.fake_openai import ThreadedFakeOpenAI
 
 import llm_span
+from describer import Cancelled
 
 TRACE_ID, TRITON_SPAN_ID = TRACEPARENT.split("-")[1:3]
 CONTEXT = json.dumps({"traceparent": TRACEPARENT, "tracestate": "rojo=1"})
@@ -178,3 +183,36 @@ def test_a_dead_collector_is_said_once_in_the_log_without_its_url(fake_pb_utils_
     assert "ConnectionError" in trouble[0]
     assert not [m for m in logged if "secret-token" in m or "Traceback" in m]
     assert len(fake.stats()["traceparents"]) == 3, "every request went up"
+
+
+def test_a_cached_answer_a_cancelled_call_and_a_bug_each_end_their_span(fake_pb_utils_module):
+    """Straight on the Describer: a call that made no attempt says why, and one
+    that ended without a Result ends its span all the same, never quoting the error."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    traced_job = job(PROMPT, trace=(("traceparent", TRACEPARENT),))
+
+    async def test(fake, d, obs, log):
+        d.spans = llm_span.LlmSpans(provider)
+        await d.describe(traced_job)
+        await d.describe(traced_job)  # from the answer cache
+
+        def broken_emit(text):
+            raise RuntimeError(f"a bug that quotes {PROMPT}")
+        with pytest.raises(RuntimeError):
+            await d.describe(traced_job, emit=broken_emit)  # the cached answer goes to emit at once
+        fake.set_mode("hang")
+        started = time.monotonic()
+        with pytest.raises(Cancelled):
+            await d.describe(job("other", timeout_s=20.0, trace=traced_job.trace),
+                             is_cancelled=lambda: time.monotonic() - started > 0.2)
+    run(test)
+    first, cached, bug, cancelled = exporter.get_finished_spans()
+    assert (first.attributes["llm.outcome"], first.attributes["llm.attempts"]) == ("ok", 1)
+    assert (cached.attributes["llm.outcome"], cached.attributes["llm.attempts"], cached.events) == ("cached", 0, ())
+    assert (bug.attributes["llm.outcome"], bug.attributes["error.type"], bug.status.status_code) == \
+        ("error", "RuntimeError", StatusCode.ERROR)
+    assert bug.attributes["llm.streamed"] is True and PROMPT not in texts(bug)
+    assert (cancelled.attributes["llm.outcome"], cancelled.status.status_code) == ("cancelled", StatusCode.UNSET)
+    assert all(format(s.parent.span_id, "016x") == TRITON_SPAN_ID for s in (first, cached, bug, cancelled))
