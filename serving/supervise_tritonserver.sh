@@ -64,6 +64,8 @@
 #   TRITON_TRACE_RATE=1000      trace every N-th request; a request that carries a W3C
 #                               `traceparent` is traced whatever the rate (0: only those)
 #   TRITON_TRACE_SERVICE_NAME=classify-describe  the spans' service.name
+#                               (both also as OTEL_EXPORTER_OTLP_TRACES_ENDPOINT and
+#                               OTEL_SERVICE_NAME to the models, for the LLM call's span)
 # Stop (INT/TERM), in order and bounded: the front stops accepting, ends its open
 # streams at once and lets whole answers finish (OPENAI_FRONT_DRAIN_S, default 5;
 # killed FRONT_STOP_GRACE_S=3 after that); only then does tritonserver get TERM,
@@ -239,6 +241,14 @@ if [[ -n "${TRITON_TRACE_OTLP_ENDPOINT:-}" ]]; then
   others=""
   (( trace_rate == 0 )) || others=" and 1 in $trace_rate of the others"
   echo "serve: tracing on: OpenTelemetry spans to ${trace_host##*@}; traced: requests with a traceparent$others" >&2
+  # The describe step's span for the LLM call (backends/openai_describe/llm_span.py):
+  # the models' Python stubs inherit tritonserver's environment, where the
+  # OpenTelemetry SDK finds the same collector and service name.
+  export OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="$TRITON_TRACE_OTLP_ENDPOINT" \
+         OTEL_SERVICE_NAME="${TRITON_TRACE_SERVICE_NAME:-classify-describe}"
+else
+  # Unset means no tracing here, for the LLM call's span too.
+  unset OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 fi
 
 # Where the supervisor tells the streaming models that the server is stopping.

@@ -2,15 +2,20 @@
 loopback port (POST /v1/traces) that keeps every span it is sent.
 
 Triton 2.51's exporter (opentelemetry-cpp's OTLP/HTTP) posts OTLP/JSON
-(application/json, ids as lowercase hex), so JSON is all this reads; anything
-else is answered 400 and shown in wait_for's error. (opentelemetry-proto,
-which would read protobuf, accepts protobuf 4 only up to 1.27, and
-tritonclient[grpc] 2.51 pins protobuf<5: not needed here.)"""
+(application/json, ids as lowercase hex); the describe step's LLM-call span
+(backends/openai_describe/llm_span.py, the Python SDK's exporter) comes as
+OTLP protobuf (application/x-protobuf). Anything else is answered 400 and
+shown in wait_for's error."""
 
+import base64
 import dataclasses
 import http.server
 import json
 import threading
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,19 @@ def decode_json(body):
     return spans
 
 
+def decode_protobuf(body):
+    """The spans of one ExportTraceServiceRequest in OTLP protobuf."""
+    message = MessageToDict(ExportTraceServiceRequest.FromString(body))
+    # protobuf's JSON mapping writes bytes as base64: the ids as OTLP/JSON has them (hex).
+    for resource_spans in message.get("resourceSpans", []):
+        for scope_spans in resource_spans.get("scopeSpans", []):
+            for span in scope_spans.get("spans", []):
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if key in span:
+                        span[key] = base64.b64decode(span[key]).hex()
+    return decode_json(json.dumps(message))
+
+
 def _attributes(items):
     """{key: value} of OTLP KeyValues ({"key": k, "value": {"stringValue": v}})."""
     return {item["key"]: next(iter(item.get("value", {}).values()), None) for item in items}
@@ -53,10 +71,14 @@ class OtlpReceiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 kind = self.headers.get("Content-Type", "")
                 try:
-                    if "json" not in kind:
-                        raise ValueError(f"not OTLP/JSON: {kind!r}")
-                    spans, error = decode_json(body), None
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:  # shown by wait_for's TimeoutError
+                    if "json" in kind:
+                        spans = decode_json(body)
+                    elif "protobuf" in kind:
+                        spans = decode_protobuf(body)
+                    else:
+                        raise ValueError(f"not OTLP/JSON nor protobuf: {kind!r}")
+                    error = None
+                except (ValueError, KeyError, TypeError, AttributeError, DecodeError) as exc:  # shown by wait_for's error
                     spans, error = [], f"{type(exc).__name__}: {exc}"
                 with receiver._lock:
                     receiver.posts.append((self.path, kind, len(body), error))

@@ -286,7 +286,10 @@ def run_with_args_dump(tmp_path, **env):
     (the supervisor's exit status, its stderr, the server's arguments or None)."""
     dump = tmp_path / "args"
     server = tmp_path / "dump_args.py"
-    server.write_text("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n")
+    # Its OTEL_* environment goes beside, in args.env: what the models' stubs inherit.
+    server.write_text("import json, os, sys\nopen(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n"
+                      "open(sys.argv[1] + '.env', 'w').write(json.dumps({k: v for k, v in os.environ.items()"
+                      " if k.startswith('OTEL_')}))\n")
     result = subprocess.run(
         [str(REPO / "serving/supervise_tritonserver.sh"), sys.executable, str(server), str(dump), "--http-port=1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60,
@@ -296,8 +299,10 @@ def run_with_args_dump(tmp_path, **env):
 
 
 def test_tracing_is_off_without_an_endpoint_and_on_with_one(tmp_path):
-    status, _, args = run_with_args_dump(tmp_path)
+    # An OTEL endpoint left in the environment does not switch the LLM-call spans on alone.
+    status, _, args = run_with_args_dump(tmp_path, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="http://elsewhere:4318/v1/traces")
     assert status == 0 and not [a for a in args if a.startswith("--trace")]
+    assert "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" not in server_env(tmp_path), "no LLM-call spans either"
     status, stderr, args = run_with_args_dump(
         tmp_path, TRITON_TRACE_OTLP_ENDPOINT="http://user:token@collector:4318/v1/traces?key=secret",
         TRITON_TRACE_RATE="0")
@@ -308,6 +313,15 @@ def test_tracing_is_off_without_an_endpoint_and_on_with_one(tmp_path):
         "--trace-config=opentelemetry,resource=service.name=classify-describe"]
     assert "tracing on: OpenTelemetry spans to collector:4318; traced: requests with a traceparent\n" in stderr
     assert "token" not in stderr and "secret" not in stderr, "the log names the host only"
+    # The describe step's LLM-call span goes to the same collector, under the same service name.
+    assert server_env(tmp_path) == {
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://user:token@collector:4318/v1/traces?key=secret",
+        "OTEL_SERVICE_NAME": "classify-describe"}
+
+
+def server_env(tmp_path):
+    """The OTEL_* environment the stand-in server of run_with_args_dump ran with."""
+    return json.loads((tmp_path / "args.env").read_text())
 
 
 @pytest.mark.parametrize("env, says", [

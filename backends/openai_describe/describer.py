@@ -189,11 +189,12 @@ JSON_FORMATS = ("json_object", "json_schema")
 
 class Describer:
     def __init__(self, settings, client, scrub, observer=None, log=None,
-                 clock=time.monotonic, rand=random.random):
+                 clock=time.monotonic, rand=random.random, spans=None):
         self.settings = settings
         self.scrub = scrub
         self.observer = observer or Observer()
         self.log = log
+        self.spans = spans  # llm_span.LlmSpans, or None: tracing off
         self._client = client  # AsyncOpenAI-like, or None when no key is configured
         self._clock = clock
         self._rand = rand
@@ -212,23 +213,41 @@ class Describer:
         (a cached answer or the fallback as one chunk; nothing on
         on_failure=error), and USAGE tells the time to the first chunk and how
         many went out. Retries happen only before the first chunk; a stream
-        that fails after it ends as "llm_partial" with the text sent."""
+        that fails after it ends as "llm_partial" with the text sent.
+
+        A traced request's call (job.trace) has a span of its own when spans
+        are on (llm_span.py), and the upstream is called under that span."""
+        span = self.spans.start(job, streamed=emit is not None) if self.spans is not None and job.trace else None
+        if span is None:
+            return await self._timed(job, is_cancelled, emit, None)
+        try:
+            result = await self._timed(dataclasses.replace(job, trace=span.trace), is_cancelled, emit, span)
+        except Cancelled:
+            span.end_early("cancelled")
+            raise
+        except BaseException as exc:  # unloading (CancelledError) or a bug: the span ends all the same
+            span.end_early(type(exc).__name__)
+            raise
+        span.end(result)
+        return result
+
+    async def _timed(self, job, is_cancelled, emit, span):
         started = self._clock()
         if emit is None:
-            return await self._describe(job, is_cancelled, None, started)
+            return await self._describe(job, is_cancelled, None, started, span)
         sent = []  # when each chunk went out
 
         def send(text):
             emit(text)
             sent.append(self._clock())
 
-        result = await self._describe(job, is_cancelled, send, started)
+        result = await self._describe(job, is_cancelled, send, started, span)
         if sent:
             result.usage.time_to_first_token_ms = (sent[0] - started) * 1000.0
             result.usage.chunks = len(sent)
         return result
 
-    async def _describe(self, job, is_cancelled, emit, started):
+    async def _describe(self, job, is_cancelled, emit, started, span):
         if job.image is not None and self._refused_image(job.model):
             job = job.text_only("refused_by_upstream")
         messages = job.messages(self.settings)
@@ -256,7 +275,7 @@ class Describer:
 
         reader = reader_for(job, messages)
         try:
-            answer = await self._attempts(job, usage, is_cancelled, reader.attempt, keep_slot=reader.keeps_slot)
+            answer = await self._attempts(job, usage, is_cancelled, reader.attempt, reader.keeps_slot, span)
             if answer == IMAGE_REFUSED and job.image is not None and self.settings.vision == "auto":
                 # A model that takes no images: ask again text-only at once, and text-only
                 # for a while (the refusal cost a round trip; it must not cost one per request).
@@ -265,7 +284,7 @@ class Describer:
                 messages = job.messages(self.settings)
                 key = job.cache_key(self.settings) if key is not None else None
                 reader = reader_for(job, messages)
-                answer = await self._attempts(job, usage, is_cancelled, reader.attempt, keep_slot=reader.keeps_slot)
+                answer = await self._attempts(job, usage, is_cancelled, reader.attempt, reader.keeps_slot, span)
             if isinstance(answer, str):
                 return self._fallback(job, usage, answer, emit)
             text, finish_reason, failure = await reader.read(answer)
@@ -292,14 +311,15 @@ class Describer:
         self.observer.cache(cached is not None)
         return key, cached
 
-    async def _attempts(self, job, usage, is_cancelled, attempt, keep_slot=False):
+    async def _attempts(self, job, usage, is_cancelled, attempt, keep_slot=False, span=None):
         """Upstream attempts under the circuit breaker, the concurrency cap, the
         request's deadline and the retry policy. `attempt(timeout)` makes one
         (on a slot) and returns what it got or raises. Returns an Answer, or
         the reason to fall back (a str); raises Cancelled.
 
         keep_slot: a successful attempt keeps its slot (a stream still being
-        read); the reader gives it back with Call.release_slot()."""
+        read); the reader gives it back with Call.release_slot(). span: the
+        call's LlmSpan or None; each attempt is an event of it."""
         breaker = self._breaker(job.model)
         deadline = self._clock() + self.settings.total_timeout_s
         timeout_s = job.overrides.timeout_s
@@ -339,6 +359,8 @@ class Describer:
             elapsed = self._clock() - started
             usage.upstream_latency_ms += elapsed * 1000.0
             self.observer.attempt_done(job.model, elapsed, failure.reason if failure else "ok")
+            if span is not None:
+                span.attempt(usage.attempts, failure.reason if failure else "ok", elapsed)
 
             if failure is None:
                 breaker.record_success(ticket)

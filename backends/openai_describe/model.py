@@ -21,6 +21,7 @@ import traceback
 
 import triton_python_backend_utils as pb_utils
 
+import llm_span
 import triton_io as io
 from describer import NO_KEY_HELP, Cancelled, Describer, make_client
 from metrics import Metrics
@@ -31,6 +32,8 @@ from stream_adapter import PhotoStreamAdapter, StreamAdapter
 # Without an API key a local endpoint still wants some bearer string.
 NO_KEY_PLACEHOLDER = "no-key-required"
 CLASSIFY_THREADS = 32
+# The longest finalize waits for the LLM-call spans still queued to leave.
+SPANS_FLUSH_S = 5.0
 
 
 class TritonPythonModel:
@@ -72,9 +75,12 @@ class TritonPythonModel:
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model_name}-llm", daemon=True)
         self.thread.start()
 
+        # The LLM call's own span when tracing is on (the supervisor passes the collector's URL).
+        self.spans = llm_span.from_environment(os.environ, self.log)
+
         async def build():
             client = make_client(s, api_key) if api_key is not None else None
-            return Describer(s, client, self.scrub, self.metrics, self.log)
+            return Describer(s, client, self.scrub, self.metrics, self.log, spans=self.spans)
 
         describer = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
         self.flusher = asyncio.run_coroutine_threadsafe(self._flush_metrics(), self.loop)
@@ -133,6 +139,9 @@ class TritonPythonModel:
         self.thread.join(timeout=10.0)
         self.loop.close()  # shuts the BLS executor down too
         self.handler.shutdown()
+        if self.spans is not None:
+            # Bounded: a dead collector costs spans, not a slow unload.
+            self.spans.flush(SPANS_FLUSH_S)
 
     # -- on the loop thread -----------------------------------------------------------
 

@@ -2,10 +2,11 @@
 TRITON_TRACE_OTLP_ENDPOINT pointing at an OTLP/HTTP receiver (tests/otlp_receiver.py).
 A client's W3C traceparent, sent through the OpenAI front or straight to
 Triton, makes spans of the client's trace for the ensemble and each of its
-steps (decode: preprocess, classify: classifier, describe), and the LLM
-upstream gets a traceparent of the same trace whose parent is the describe
-step's span. Its own server: tracing is set at start, and the session's
-server runs without it.
+steps (decode: preprocess, classify: classifier, describe), the describe
+step's span for the LLM call under its own (OTLP protobuf from the Python
+SDK, where Triton's are OTLP/JSON), and the LLM upstream gets a traceparent
+of the same trace whose parent is the LLM call's span. Its own server:
+tracing is set at start, and the session's server runs without it.
 
 Over gRPC (the front's way to Triton) Triton 2.51 misreads the traceparent
 now and then (docs/tracing.md#a-triton-bug-over-grpc), so a request through
@@ -74,9 +75,11 @@ def one(spans, name):
 
 def check_trace(receiver, fake_llm, trace_id, client_span_id, ensemble, steps, llm_step):
     """Every step's span is under the ensemble's, the whole under the client's
-    span, and the LLM call's parent is llm_step's span."""
-    # InferRequest, the root, ends last: once it is in, the whole trace is.
-    spans = spans_of(receiver, trace_id, {"InferRequest", ensemble, *steps})
+    span, the LLM call's span under llm_step's span, and the upstream called
+    under the LLM call's span."""
+    # InferRequest, the root, ends last of Triton's spans; the LLM call's span
+    # comes from the describe step's own exporter (llm_span.py), in its own time.
+    spans = spans_of(receiver, trace_id, {"InferRequest", ensemble, *steps, "llm call"})
     by_id = {s.span_id: s for s in spans}
     root = one(spans, "InferRequest")
     assert root.parent_span_id == client_span_id, "Triton's trace hangs under the client's span"
@@ -88,9 +91,12 @@ def check_trace(receiver, fake_llm, trace_id, client_span_id, ensemble, steps, l
             span = by_id[span.parent_span_id]
             chain.append(span.name)
         assert top.name in chain, f"{step} is not under {ensemble}: {chain}"
-    parent = one(spans, llm_step)
-    assert llm_traceparents(fake_llm, trace_id) == [f"00-{trace_id}-{parent.span_id}-01"], \
-        f"the LLM call's parent is the {llm_step} span"
+    llm_call = one(spans, "llm call")
+    assert llm_call.parent_span_id == one(spans, llm_step).span_id, f"the LLM call's span is under {llm_step}'s"
+    assert llm_call.service == "classify-describe"
+    assert (llm_call.attributes["llm.outcome"], llm_call.attributes["llm.attempts"]) == ("ok", "1")
+    assert llm_traceparents(fake_llm, trace_id) == [f"00-{trace_id}-{llm_call.span_id}-01"], \
+        "the upstream is called under the LLM call's span"
 
 
 def ask_front(server, photo, traceparent=None, stream=False):
