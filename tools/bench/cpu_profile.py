@@ -18,8 +18,18 @@ Per model, `rounds` accounting turns, then one profiling turn:
 - in-process: the same photos decoded and classified (batch 1, one thread) by the same code
   (tools/bench/inprocess.py), CPU seconds per image from time.process_time: the model's own cost.
 
---repository serves another model repository (an A/B of a config change); default: a copy of
-model_repository/. Prints a Markdown table; --results also writes the figures as JSON.
+--repository serves another model repository; default: a copy of model_repository/. Prints a
+Markdown table; --results also writes the figures as JSON.
+
+An A/B of a server setting, side by side:
+
+    .venv/bin/python -m tools.bench.cpu_profile --compare CPU_SLOTS=3 [--compare KEY=VALUE ...]
+
+starts a second server (B) with those environment variables (scripts/serve.sh reads CPU_SLOTS,
+TRITON_EXTRA_ARGS, ...) beside the default one (A); the accounting turns alternate A B B A ...,
+and each pair of turns gives a ratio B / A of throughput and of served CPU per request; the
+medians and the spread of those ratios are the result (a drift in the machine's load weighs on
+both sides of a pair alike). No profiling turn.
 """
 
 import argparse
@@ -184,6 +194,55 @@ def markdown(results):
     return "\n".join(lines)
 
 
+def compare(args, workdir, input_data, results):
+    """A against B (args.compare's environment), turns alternating A B B A; per-pair ratios B / A."""
+    llm = harness.FakeLLM(workdir)
+    servers = {}
+    try:
+        extra = dict(item.split("=", 1) for item in args.compare)
+        for name, env in (("A", {}), ("B", extra)):
+            (workdir / name).mkdir()
+            if args.repository:
+                shutil.copytree(args.repository, workdir / name / "model_repository")
+            servers[name] = harness.Triton(workdir / name, llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false",
+                                                                                   **env})
+        results["compare"] = {"B": extra}
+        for model in args.models.split(","):
+            for server in servers.values():  # warm-up
+                harness.perf_analyzer(model, server.http_url, input_data[model], args.concurrency, workdir,
+                                      window_ms=1000, trials=3)
+            turns = {"A": [], "B": []}
+            for number in range(args.rounds):
+                for name in ("A", "B") if number % 2 == 0 else ("B", "A"):
+                    turns[name].append(account(servers[name], llm, model, input_data[model], args.concurrency,
+                                               args.seconds, workdir))
+                    log(f"{model} {name}: {turns[name][-1]['throughput']:.1f}/s, served "
+                        f"{turns[name][-1]['cpu_ms_per_request']['served (tritonserver + stubs)']:.2f} ms CPU")
+            served = "served (tritonserver + stubs)"
+            ratios = {"throughput": [b["throughput"] / a["throughput"] for a, b in zip(turns["A"], turns["B"])],
+                      "served_cpu": [b["cpu_ms_per_request"][served] / a["cpu_ms_per_request"][served]
+                                     for a, b in zip(turns["A"], turns["B"])],
+                      "p50": [b["p50_ms"] / a["p50_ms"] for a, b in zip(turns["A"], turns["B"])]}
+            results["models"][model] = {"A": summarise(turns["A"]), "B": summarise(turns["B"]), "turns": turns,
+                                        "b_over_a": {key: spread(values) for key, values in ratios.items()}}
+    finally:
+        for server in servers.values():
+            server.stop()
+        llm.stop()
+    lines = [f"B = {' '.join(args.compare)} against A = defaults; {args.rounds} turns each of {args.seconds} s "
+             f"at concurrency {args.concurrency}, on {host.summary(results['host'])}; "
+             f"{host.isa_text(results['host'])}", "",
+             "| model | B / A throughput | B / A served CPU per request | B / A p50 | A served CPU ms | "
+             "B served CPU ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for model, data in results["models"].items():
+        r = data["b_over_a"]
+        cells = [f"{r[k]['median']:.3f} ({r[k]['min']:.3f}-{r[k]['max']:.3f})" for k in ("throughput", "served_cpu",
+                                                                                          "p50")]
+        a, b = (data[n]["cpu_ms_per_request"]["served (tritonserver + stubs)"]["median"] for n in ("A", "B"))
+        lines.append(f"| {model} | {' | '.join(cells)} | {a:.2f} | {b:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="classify,classify_and_describe")
@@ -192,6 +251,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repository", type=pathlib.Path, help="default: a copy of model_repository/")
     parser.add_argument("--results", type=pathlib.Path)
+    parser.add_argument("--compare", action="append", metavar="KEY=VALUE",
+                        help="A/B: a second server with this environment variable (repeatable)")
     args = parser.parse_args(argv)
     results = {"host": host.describe(), "args": {k: str(v) if isinstance(v, pathlib.Path) else v
                                                  for k, v in vars(args).items()}, "models": {}}
@@ -203,6 +264,9 @@ def main(argv=None):
         for name, data in jpegs.items():
             jpeg_paths.append(workdir / f"{name}.jpg")
             jpeg_paths[-1].write_bytes(data)
+        if args.compare:
+            text = compare(args, workdir, input_data, results)
+            return finish(args, results, text)
         if args.repository:
             shutil.copytree(args.repository, workdir / "model_repository")
         llm = harness.FakeLLM(workdir)
@@ -225,7 +289,10 @@ def main(argv=None):
             if server is not None:
                 server.stop()
             llm.stop()
-    text = markdown(results)
+    return finish(args, results, markdown(results))
+
+
+def finish(args, results, text):
     print(text)
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
