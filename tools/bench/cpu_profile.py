@@ -56,8 +56,8 @@ DSOS = (
     ("Python interpreter (our code, SDKs, asyncio, pb_utils)", ("libpython",)),
     ("TLS/crypto", ("libssl", "libcrypto")),
     ("stub runtime: IPC, shared memory (stub binary)", ("triton_python_backend_stub", "c_python_backend_utils")),
+    ("core: scheduler, ensemble, batcher", ("libtritonserver",)),  # before the binary: its name contains it
     ("HTTP/gRPC front ends (tritonserver binary)", ("tritonserver",)),
-    ("core: scheduler, ensemble, batcher", ("libtritonserver",)),
     ("Python backend: stub IPC, shared memory", ("libtriton_python",)),
     ("kernel (syscalls, futex, copies)", ("[kernel", "[vdso]")),
     ("libc / libstdc++ (memcpy, malloc, semaphores)", ("libc.so", "libstdc++", "libm.so", "ld-linux", "libgcc")),
@@ -119,6 +119,9 @@ def profile(server, model, input_data, concurrency, seconds, workdir):
     """One profiling turn under the same load: `perf record -e cpu-clock` (every thread) on
     tritonserver and on one instance of each model's stubs -> {"shares": {process: {step: share}},
     "top_symbols": {process: [...]}}."""
+    if not shutil.which("perf"):  # linux-perf is not in the venv: the split by process alone then
+        log("perf is not installed: CPU by process only, not by step")
+        return {"shares": {}, "top_symbols": {}}
     server_pid = tritonserver_pid(server.process.pid)
     processes = {"tritonserver": server_pid}
     processes.update({f"{stub_model} stubs": pids[0] for stub_model, pids in stub_pids(server_pid).items()})
