@@ -53,6 +53,7 @@ help:
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
 	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
+	@echo "make bench-cpu      CPU per request by process and step vs in-process (~4 min; BENCH_CPU_ARGS=--compare K=V for an A/B)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
@@ -178,6 +179,13 @@ bench-quick: build perf-analyzer
 .PHONY: bench-openai
 bench-openai: build
 	$(PY) -m tools.bench.openai_front $(BENCH_OPENAI_ARGS)
+
+# Where the CPU goes (docs/benchmarks-method.md#where-the-cpu-goes): CPU ms per request by process
+# (/proc) and by step (perf, where installed) for classify and the ensemble, against the in-process
+# decode + forward; BENCH_CPU_ARGS="--compare CPU_SLOTS=3" measures a server setting side by side.
+.PHONY: bench-cpu
+bench-cpu: build perf-analyzer
+	$(PY) -m tools.bench.cpu_profile --rounds 3 --seconds 10 --concurrency 8 --results $(BUILD)/bench/cpu/results.json $(BENCH_CPU_ARGS)
 
 # Streaming (tools/bench/streaming.py): time to labels vs classify, time to first token vs the
 # SDK direct, 500 concurrent streams, perf_analyzer --streaming; about 3 minutes.

@@ -240,3 +240,34 @@ def test_every_results_file_the_readme_names_is_committed():
     # docs/results/bench.json is where `make bench` writes; the README names it as that, not as a source.
     for path in named - {"docs/results/bench.json"}:
         assert (REPO / path).is_file(), path
+
+
+def test_serving_overhead_targets_hold_the_served_figures_against_the_in_process_ones(results):
+    """Issue 21: the ensemble against the in-process limit of the served runtime (>= 0.75), and the
+    p50 at concurrency 1 against the in-process single-image latency, in its fastest layout (<= 1.3x)."""
+    set_turns(results, [(60.0, 45.0, 80.0), (60.0, 30.0, 40.0), (60.0, 70.0, 80.0)])
+    for turn, rates in zip(results["limits"]["turns"], ((100.0, 100.0), (50.0, 200.0), (100.0, 100.0))):
+        one, two = turn["inprocess"]["torchscript"]["layouts"]  # 1x2 and 2x1
+        one["e2e"][1], two["e2e"][1] = rates  # per image: 10 / 20 ms, 20 / 10 ms, 10 / 20 ms
+    rows = report.targets(results)
+    # the ratio of the medians (ensemble 45, limit 80), as the other rows of figure 1
+    row = target(rows, "ensemble throughput (LLM 0 ms) / in-process limit of its own runtime")
+    assert row.measured == pytest.approx(45 / 80) and not row.met
+    results["limits"]["latency_c1"]["classify"]["p50_ms"] = 13.0
+    results["limits"]["latency_c1"]["classify_and_describe"]["p50_ms"] = 13.1
+    rows = report.targets(results)
+    row = target(rows, "p50 / in-process single-image latency (PyTorch TorchScript fp32), `classify`")
+    assert row.measured == pytest.approx(1.3) and row.met and "vs 10.0 ms" in row.detail
+    assert not target(rows, "p50 / in-process single-image latency (PyTorch TorchScript fp32), ensemble").met
+    # No BentoML figure in the run: stated, and not met.
+    row = target(rows, "ensemble / a BentoML service")
+    assert row.measured is None and not row.met
+
+
+def test_the_targets_name_the_cpu_they_were_measured_on(results, tmp_path):
+    results["meta"]["host"] = {"cpu": {"model": "AMD EPYC 7B13", "isa_flags": ["avx2", "fma"], "vnni": False},
+                               "cores": 2, "memory_gib": 8, "os": "Linux"}
+    head = report.write(results, tmp_path / "benchmarks.md", tmp_path / "plots")
+    assert "on AMD EPYC 7B13 (avx2, fma (no VNNI))" in head.splitlines()[1]
+    section = (tmp_path / "benchmarks.md").read_text().split("## Targets", 1)[1].split("\n|", 1)[0]
+    assert "AMD EPYC 7B13 (avx2, fma (no VNNI))" in section

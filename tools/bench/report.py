@@ -98,6 +98,39 @@ def limits_figure(results):
     return {"rows": rows, **medians, "served_runtime": served_runtime}
 
 
+def inprocess_latency_ms(results):
+    """The in-process single-image latency of the served runtime: decode + forward of one image at
+    batch 1 in the layout where it is shortest (one worker's time per image), median over the turns."""
+    runtime, values = results["limits"]["served_runtime"], []
+    for turn in results["limits"]["turns"]:
+        layouts = turn["inprocess"].get(runtime, {}).get("layouts", [])
+        per_image = [1000.0 * row["processes"] / row["e2e"][1] for row in layouts if row["e2e"].get(1)]
+        if per_image:
+            values.append(min(per_image))
+    return _median(values) if values else None
+
+
+def serving_overhead_targets(results, fig, own):
+    """Issue 21's targets: what serving costs over the same work in-process, from the same run."""
+    c = results["limits"]["concurrency"]
+    rows = [Target(f"ensemble throughput (LLM 0 ms) / in-process limit of its own runtime ({own})",
+                   fig["ensemble"] / fig["own"] if fig["own"] else None, 0.75,
+                   detail=f"{_f(fig['ensemble'])} req/s at c={c} vs {_f(fig['own'])} img/s")]
+    single = inprocess_latency_ms(results)
+    for model, label in (("classify", "`classify`"), ("classify_and_describe", "ensemble (LLM 0 ms)")):
+        now = results["limits"]["latency_c1"][model]["p50_ms"]
+        rows.append(Target(f"p50 / in-process single-image latency ({own}), {label} at concurrency 1",
+                           now / single if single else None, 1.3, at_most=True,
+                           detail=f"{_f(now)} ms vs {_f(single)} ms" if single else
+                           f"{_f(now)} ms; no in-process batch-1 figure in this run"))
+    bento = results.get("bentoml")
+    rows.append(Target("ensemble / a BentoML service of the same job, throughput at its saturating concurrency",
+                       bento.get("ratio") if bento else None, 1.5,
+                       detail=bento.get("detail", "") if bento else
+                       "not measured: tools/bench has no BentoML service of the job yet"))
+    return rows
+
+
 def _runtime_name(results, runtime):
     for turn in results["limits"]["turns"]:
         if runtime in turn["inprocess"]:
@@ -139,6 +172,7 @@ def targets(results):
                            now / then if then else None, 0.7, at_most=True,
                            detail=f"{_f(now)} ms vs {_f(then)} ms" if then else
                            f"{_f(now)} ms; the baseline file has no such figure"))
+    rows += serving_overhead_targets(results, fig, own)
     rows.append(accuracy_target(results.get("accuracy")))
     h, d, p = results["hiding"], results["describe"], results["patterns"]
     rows += [
@@ -326,7 +360,7 @@ def write(results, out_path, plots_dir):
     lines = []
     add = lines.append
     _header(meta, out_path, add)
-    _targets_section(rows, add)
+    _targets_section(rows, add, meta)
     cpu_line = ensemble_cpu_line(results)
     add(f"\n{cpu_line}\n")
 
@@ -342,12 +376,19 @@ def write(results, out_path, plots_dir):
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("\n".join(lines).rstrip() + "\n")
 
-    head = ["", f"bench: targets ({meta['mode']}, {meta.get('results_file', '')})"]
+    head = ["", f"bench: targets ({meta['mode']}, {meta.get('results_file', '')}) on {_cpu_text(meta)}"]
     for row in rows:
         value, bound = row.cells()
         head.append(f"  {row.name}: {value}  [target {bound}: {'met' if row.met else 'NOT met'}]")
     head.append(f"  {cpu_line}")
     return "\n".join(head)
+
+
+def _cpu_text(meta):
+    """'MODEL (flags)': the CPU every figure of the run is from."""
+    machine = meta.get("host")
+    model = (machine or {}).get("cpu", {}).get("model") or meta.get("machine", "an unrecorded CPU")
+    return f"{model} ({host.isa_text(machine)})"
 
 
 def _header(meta, out_path, add):
@@ -378,10 +419,10 @@ def _header(meta, out_path, add):
         f"{meta['command']}`.\n")
 
 
-def _targets_section(rows, add):
+def _targets_section(rows, add, meta):
     add("## Targets\n")
     add("Computed from this run's results file; ratios are medians over the turns of figure 1, each turn "
-        "measuring both sides back to back.\n")
+        f"measuring both sides back to back. Every figure is from this run, on {_cpu_text(meta)}.\n")
     add("| target | measured | threshold | | from |")
     add("| --- | --- | --- | --- | --- |")
     for row in rows:
