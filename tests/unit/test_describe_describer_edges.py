@@ -68,7 +68,7 @@ class Log:
     def __init__(self):
         self.lines = []
 
-    def warn(self, message):
+    def warn(self, message, request_id=None):
         self.lines.append(message)
 
 

@@ -200,7 +200,9 @@ def measure_layout(runtime, repository, jpegs, processes, threads, batch_sizes, 
                 worker.terminate()
     errors = [out["error"] for out in outs if "error" in out]
     if errors:
-        raise RuntimeError(f"in-process {runtime} {processes}x{threads}: {errors[0]}")
+        # The cause, not the barrier it broke for the others (whichever reported first).
+        cause = next((e for e in errors if not e.startswith("BrokenBarrierError")), errors[0])
+        raise RuntimeError(f"in-process {runtime} {processes}x{threads}: {cause}")
     total = lambda key, batch: sum(out[key][batch] for out in outs)  # noqa: E731
     return {"name": f"{processes}x{threads}", "processes": processes, "threads": threads,
             "e2e": {b: total("e2e", b) for b in batch_sizes},

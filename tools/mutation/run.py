@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import sys
 
+from tools import host
 from tools.mutation.explained import EQUIVALENT, EXCLUDED, KILLED_AFTER, OPEN, RUN_NOTES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -215,9 +216,8 @@ def results(stage):
 
 
 def cpu():
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
-    return f"{model}, {os.cpu_count()} CPUs"
+    machine = host.describe()
+    return f"{machine['cpu']['model']}, {machine['cores']} CPUs"
 
 
 # What `mutmut show NAME` prints, for many mutants in one process (one `mutmut
