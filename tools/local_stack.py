@@ -31,10 +31,20 @@ class NotReady(RuntimeError):
 
 # -- small helpers ------------------------------------------------------------------
 
+_HANDED_OUT = set()
+
+
 def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nothing listens on, never one this process handed out before:
+    the kernel may give the same free port to two probes in a row, and a server
+    told to use it twice (gRPC and metrics) refuses to start."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def log_tail(path, lines=60):
