@@ -175,7 +175,7 @@ class InFlight:
         handed = asyncio.get_running_loop().create_future()
         self._waiting.append(handed)
         try:
-            async with asyncio.timeout(wait_s if wait_s > 0 else 0):
+            async with asyncio.timeout(wait_s):  # 0: refused at the next turn of the loop
                 await handed
         except (TimeoutError, asyncio.CancelledError) as exc:
             if handed.done() and not handed.cancelled():
