@@ -69,7 +69,8 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     # and only the ensemble's requests reach the describe stubs.
     for key in ("classify", "ensemble"):
         cpu = turn[key]["cpu_ms_per_request"]
-        assert cpu["load generator"] > 0 and cpu["classifier stubs"] > 0 and cpu["preprocess stubs"] > 0
+        # The CPU layout decodes and classifies in classify_with_view's stubs; preprocess and classifier idle.
+        assert cpu["load generator"] > 0 and cpu["classify_with_view stubs"] > 0
         assert turn[key]["requests"] > 0
     assert turn["ensemble"]["cpu_ms_per_request"]["describe stubs"] > 0
     for run in (data["hiding"]["fast"], data["hiding"]["slow"]):
