@@ -344,9 +344,9 @@ def metric_sum(port, name, model):
 
 
 def compute_queue_us(port):
-    """Queue time of the two compute steps, summed (the HPA's triton_compute_queue_us)."""
+    """Queue time of the compute models, summed (the HPA's triton_compute_queue_us, either layout)."""
     return sum(metric_sum(port, "nv_inference_queue_duration_us", model) or 0
-               for model in ("preprocess", "classifier"))
+               for model in ("preprocess", "classifier", "classify_with_view"))
 
 
 def nginx_retries(access_log):

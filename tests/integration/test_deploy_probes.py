@@ -60,7 +60,9 @@ def test_prometheus_scrape_target_serves_the_series_the_autoscaler_uses(triton):
     status, text = get(f"http://{triton.metrics_url}{annotations['prometheus.io/path']}")
     assert status == 200
     # deploy/monitoring/prometheus-adapter-values.yaml reads these per model.
-    for series in ('nv_inference_queue_duration_us{model="classifier"',
+    for series in ('nv_inference_queue_duration_us{model="classify_with_view"',
+                   'nv_inference_queue_duration_us{model="classifier"',
                    'nv_inference_queue_duration_us{model="preprocess"',
+                   'nv_inference_request_success{model="classify_with_view"',
                    'nv_inference_request_success{model="classifier"'):
         assert series in text, f"{series} is not exported; the HPA's custom metric would be empty"

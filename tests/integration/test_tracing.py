@@ -2,7 +2,7 @@
 TRITON_TRACE_OTLP_ENDPOINT pointing at an OTLP/HTTP receiver (tests/otlp_receiver.py).
 A client's W3C traceparent, sent through the OpenAI front or straight to
 Triton, makes spans of the client's trace for the ensemble and each of its
-steps (decode: preprocess, classify: classifier, describe), the describe
+steps (decode + classify: classify_with_view, describe), the describe
 step's span for the LLM call under its own (OTLP protobuf from the Python
 SDK, where Triton's are OTLP/JSON), and the LLM upstream gets a traceparent
 of the same trace whose parent is the LLM call's span. Its own server:
@@ -135,7 +135,7 @@ def ask_triton_http(server, photo, traceparent):
 def test_a_traceparent_through_the_openai_front_traces_every_step_and_reaches_the_llm(
         traced, receiver, fake_llm, photos):
     trace_id, span_id = traced_through_front(traced, fake_llm, photos["coffee"])
-    check_trace(receiver, fake_llm, trace_id, span_id, "classify_and_describe", ("preprocess", "classifier", "describe"),
+    check_trace(receiver, fake_llm, trace_id, span_id, "classify_and_describe", ("classify_with_view", "describe"),
                 "describe")
 
 
@@ -152,7 +152,7 @@ def test_a_traceparent_sent_to_triton_over_http_is_always_honoured(traced, recei
         trace_id, span_id, traceparent = new_context()
         ask_triton_http(traced, photos["chelsea"], traceparent)
         check_trace(receiver, fake_llm, trace_id, span_id, "classify_and_describe",
-                    ("preprocess", "classifier", "describe"), "describe")
+                    ("classify_with_view", "describe"), "describe")
 
 
 def test_without_a_traceparent_nothing_is_traced_at_rate_0(traced, receiver, fake_llm, photos):

@@ -69,7 +69,8 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     # and only the ensemble's requests reach the describe stubs.
     for key in ("classify", "ensemble"):
         cpu = turn[key]["cpu_ms_per_request"]
-        assert cpu["load generator"] > 0 and cpu["classifier stubs"] > 0 and cpu["preprocess stubs"] > 0
+        # The CPU layout decodes and classifies in classify_with_view's stubs; preprocess and classifier idle.
+        assert cpu["load generator"] > 0 and cpu["classify_with_view stubs"] > 0
         assert turn[key]["requests"] > 0
     assert turn["ensemble"]["cpu_ms_per_request"]["describe stubs"] > 0
     for run in (data["hiding"]["fast"], data["hiding"]["slow"]):
@@ -85,7 +86,7 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     # polling, about a tenth of a served request's CPU (CI saw 8x), hence 3x, not 10x.
     assert cpu["ensemble"]["describe stubs"] > 3 * cpu["two_step"]["describe stubs"]
     assert cpu["two_step"]["load generator"] > cpu["ensemble"]["load generator"]
-    assert cpu["ensemble"]["classifier stubs"] > 0 and cpu["ensemble"]["machine"] > cpu["ensemble"]["classifier stubs"]
+    assert 0 < cpu["ensemble"]["classify_with_view stubs"] < cpu["ensemble"]["machine"]
     assert data["describe"]["triton"]["count"] == 10
     # int8 against fp32 in the same run, on every crop set the accuracy tool defines.
     assert [s["crops"] for s in data["accuracy"]["sets"]] == [10] * len(data["accuracy"]["sets"]) != []

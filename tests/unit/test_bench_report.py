@@ -271,3 +271,24 @@ def test_the_targets_name_the_cpu_they_were_measured_on(results, tmp_path):
     assert "on AMD EPYC 7B13 (avx2, fma (no VNNI))" in head.splitlines()[1]
     section = (tmp_path / "benchmarks.md").read_text().split("## Targets", 1)[1].split("\n|", 1)[0]
     assert "AMD EPYC 7B13 (avx2, fma (no VNNI))" in section
+
+
+def test_where_the_time_goes_follows_the_layout_classify_ran(results):
+    """Two steps (preprocess, classifier: the smoke file's run) or one stub (classify_with_view, the CPU
+    layout): each has its own queue and compute segments, held against the in-process decode + forward."""
+    two = report.where_time_goes(results)
+    assert [label for label, _, _ in two["segments"]][:4] == [
+        "preprocess queue", "preprocess compute", "classifier queue", "classifier compute"]
+    stats = results["limits"]["turns"][0]["classify"]["stats"]
+    pre, cls = stats.pop("preprocess"), stats.pop("classifier")
+    stats["classify_with_view"] = {key: pre[key] + cls[key] for key in pre}
+    stats["classify_with_view"].update(exec_count=cls["exec_count"], inference_count=cls["inference_count"],
+                                       count=cls["count"])
+    one = report.where_time_goes(results)
+    assert [label for label, _, _ in one["segments"]][:2] == ["decode + classify queue", "decode + classify compute"]
+    compute = dict((label, value) for label, value, _ in one["segments"])["decode + classify compute"]
+    assert compute == pytest.approx((pre["compute_ms"] + cls["compute_ms"]) / cls["count"])
+    (label, served_ms, batch, inprocess_ms, _), = one["closeness"]
+    assert served_ms == pytest.approx(compute / batch)
+    two_decode, two_forward = two["closeness"][0][3], two["closeness"][1][3]
+    assert inprocess_ms == pytest.approx(two_decode + two_forward)  # the same in-process worker's two stages

@@ -63,3 +63,18 @@ def test_figure_2_keeps_its_burst_within_the_admission_queue():
     latency = latency_to_cover(144.0, 1000, 4, 128)
     assert latency == 500 and concurrency_to_cover(144.0, latency, 4, 128) <= 128
     assert queue_limit(pathlib.Path(__file__).resolve().parents[2] / "model_repository") == 128
+
+
+def test_the_tuning_sweep_changes_the_model_that_runs_classifys_forward_pass(tmp_path):
+    """The CPU layout's classify_with_view (one stub), or the classifier where classify chains two models."""
+    import shutil
+
+    from tools.bench.run import forward_model
+
+    repository = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
+    assert forward_model(repository) == "classify_with_view"
+    copy = tmp_path / "repository"
+    for model in ("classify", "classify_with_view", "preprocess", "classifier"):
+        shutil.copytree(repository / model, copy / model, ignore=shutil.ignore_patterns("*.onnx", "*.pt"))
+    (copy / "classify_with_view/config.pbtxt").write_text((copy / "classify_with_view/configs/gpu.pbtxt").read_text())
+    assert forward_model(copy) == "classifier"  # classify -> classify_with_view (ensemble) -> classifier

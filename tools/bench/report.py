@@ -280,44 +280,59 @@ def _tuning_plot(plt, rows):
 def where_time_goes(results):
     """Triton's statistics around the first turn's `classify` run: time per request by segment, and each
     stage's compute per image next to one in-process worker of the served runtime (one thread, as one
-    instance has)."""
+    instance has). Steps as the run's classify has them: decode and classify in one stub
+    (classify_with_view, the CPU layout) or preprocess then the classifier (older runs, GPU layout)."""
     turn = results["limits"]["turns"][0]
     stats = turn["classify"]["stats"]
-    pre, cls = stats.get("preprocess"), stats.get("classifier")
-    if not pre or not cls or not pre["count"] or not cls["count"]:
+    served = turn["inprocess"].get(results["limits"]["served_runtime"])
+    single = next((row for row in served["layouts"] if row["threads"] == 1), served["layouts"][0]) if served else None
+    one_stub = stats.get(ONE_STUB)
+    if one_stub and one_stub["count"] and not stats.get("preprocess", {}).get("count"):
+        steps = [("decode + classify", one_stub, "#c6dbef", "#4292c6")]
+    else:
+        steps = [("preprocess", stats.get("preprocess"), "#c6dbef", "#4292c6"),
+                 ("classifier", stats.get("classifier"), "#fdd0a2", "#f16913")]
+    if any(not step or not step["count"] for _, step, _, _ in steps):
         return None
-    segments = [
-        ("preprocess queue", pre["queue_ms"] / pre["count"], "#c6dbef"),
-        ("preprocess compute", pre["compute_ms"] / pre["count"], "#4292c6"),
-        ("classifier queue", cls["queue_ms"] / cls["count"], "#fdd0a2"),
-        ("classifier compute", cls["compute_ms"] / cls["count"], "#f16913"),
-    ]
+    segments = []
+    for name, step, queue_color, compute_color in steps:
+        segments += [(f"{name} queue", step["queue_ms"] / step["count"], queue_color),
+                     (f"{name} compute", step["compute_ms"] / step["count"], compute_color)]
     total = stats.get("classify", {})
     server = total["request_ms"] / total["count"] if total.get("count") else sum(s[1] for s in segments)
     other = max(0.0, server - sum(s[1] for s in segments))
     segments.append(("ensemble + IPC", other, "#bdbdbd"))
     client_extra = max(0.0, turn["classify"]["p50_ms"] - server)
     segments.append(("client + HTTP (p50 - server avg)", client_extra, "#e5e5e5"))
-    served = turn["inprocess"].get(results["limits"]["served_runtime"])
-    single = next((row for row in served["layouts"] if row["threads"] == 1), served["layouts"][0]) if served else None
-    avg_pre = pre["inference_count"] / pre["exec_count"] if pre["exec_count"] else 1
-    avg_cls = cls["inference_count"] / cls["exec_count"] if cls["exec_count"] else 1
     closeness = []
     if single:
-        nearest = min(single["per_worker_forward"], key=lambda b: abs(b - avg_cls))
         # Each request of a batch is charged the whole batch's compute: per image = per request / batch.
-        closeness = [
-            ("preprocess (decode, resize, crop)", pre["compute_ms"] / pre["count"] / avg_pre, avg_pre,
-             1000.0 / single["per_worker_decode"], f"batch 1, {single['threads']} thread"),
-            ("classifier (forward + top-5)", cls["compute_ms"] / cls["count"] / avg_cls, avg_cls,
-             1000.0 / single["per_worker_forward"][nearest], f"batch {nearest}, {single['threads']} thread"),
-        ]
+        def per_image(step):
+            batch = step["inference_count"] / step["exec_count"] if step["exec_count"] else 1
+            return step["compute_ms"] / step["count"] / batch, batch
+
+        decode_ms = 1000.0 / single["per_worker_decode"]
+        if len(steps) == 1:
+            served_ms, batch = per_image(steps[0][1])
+            nearest = min(single["per_worker_forward"], key=lambda b: abs(b - batch))
+            closeness = [("decode + classify (one stub)", served_ms, batch,
+                          decode_ms + 1000.0 / single["per_worker_forward"][nearest],
+                          f"batch {nearest}, {single['threads']} thread")]
+        else:
+            (pre_ms, avg_pre), (cls_ms, avg_cls) = per_image(steps[0][1]), per_image(steps[1][1])
+            nearest = min(single["per_worker_forward"], key=lambda b: abs(b - avg_cls))
+            closeness = [
+                ("preprocess (decode, resize, crop)", pre_ms, avg_pre, decode_ms, f"batch 1, {single['threads']} thread"),
+                ("classifier (forward + top-5)", cls_ms, avg_cls, 1000.0 / single["per_worker_forward"][nearest],
+                 f"batch {nearest}, {single['threads']} thread"),
+            ]
     return {"segments": segments, "closeness": closeness, "concurrency": results["limits"]["concurrency"],
             "server_ms": server}
 
 
-CPU_PLACES = ("load generator", "tritonserver", "preprocess stubs", "classifier stubs", "describe stubs",
-              "fake upstream")
+ONE_STUB = "classify_with_view"  # decode + classify in one stub: classify's first step on the CPU
+CPU_PLACES = ("load generator", "tritonserver", f"{ONE_STUB} stubs", "preprocess stubs", "classifier stubs",
+              "describe stubs", "fake upstream")
 
 
 def cpu_table(columns):
@@ -444,8 +459,9 @@ def _commands_section(meta, add):
 def ensemble_cpu_line(results):
     """One line: the ensemble's CPU per request by stage (figure 1, median over the turns)."""
     cpu = _median_cpu([turn["ensemble"] for turn in results["limits"]["turns"]])
-    places = ("classifier stubs", "preprocess stubs", "describe stubs", "tritonserver")
-    stages = ", ".join(f"{where} {_f(cpu.get(where, 0.0))}" for where in places)
+    places = (f"{ONE_STUB} stubs", "classifier stubs", "preprocess stubs", "describe stubs", "tritonserver")
+    places = [where for where in places if where in cpu]  # a run has one layout's stubs, not both
+    stages = ", ".join(f"{where} {_f(cpu[where])}" for where in places)
     return (f"CPU per ensemble request (LLM 0 ms, figure 1), ms: {_f(sum(cpu.get(w, 0.0) for w in places))} in the "
             f"server's processes ({stages}); perf_analyzer {_f(cpu.get('load generator'))}; whole machine "
             f"{_f(cpu.get('machine'))}.")

@@ -124,7 +124,8 @@ def queue_limit(repository):
     """The smallest max_queue_size of the ensemble's steps: perf_analyzer starts all its requests
     at once, and a burst larger than a step's queue is refused there by design (admission control)."""
     limits = []
-    for step in ("preprocess", "classifier"):
+    ensemble = model_config.read(repository / "classify_and_describe" / "config.pbtxt")
+    for step in (step.model_name for step in ensemble.ensemble_scheduling.step):
         config = model_config.read(repository / step / "config.pbtxt")
         if config.HasField("dynamic_batching") and config.dynamic_batching.default_queue_policy.max_queue_size:
             limits.append(config.dynamic_batching.default_queue_policy.max_queue_size)
@@ -294,9 +295,22 @@ def describe_classifier_config(config):
     return f"{policy}, {classifier_instances(config)} instance(s) x {classifier_threads(config)} thread(s)"
 
 
+def forward_model(repository, ensemble="classify"):
+    """The model that runs `classify`'s forward pass on the CPU: the step (through nested ensembles)
+    whose config names a classifier runtime; classify_with_view, preprocess and the classifier in one stub."""
+    for step in model_config.read(repository / ensemble / "config.pbtxt").ensemble_scheduling.step:
+        config = model_config.read(repository / step.model_name / "config.pbtxt")
+        if "runtime" in config.parameters:
+            return step.model_name
+        if config.platform == "ensemble":
+            return forward_model(repository, step.model_name)
+    raise ValueError(f"no step of {ensemble} names a classifier runtime")
+
+
 def measure_tuning(ctx, p):
-    """The sweep behind the shipped classifier config: alternatives on the temp repository."""
-    config_path = ctx.triton.repository / "classifier/config.pbtxt"
+    """The sweep behind the shipped config of the model doing the forward pass: alternatives on the temp repository."""
+    model = forward_model(ctx.triton.repository)
+    config_path = ctx.triton.repository / model / "config.pbtxt"
     shipped_text = config_path.read_text()
     shipped = model_config.parse(shipped_text)
     rows = []
@@ -310,12 +324,12 @@ def measure_tuning(ctx, p):
             text = shipped_text if config == shipped else model_config.render(config)
             if config_path.read_text() != text:
                 config_path.write_text(text)
-                ctx.triton.load("classifier")
+                ctx.triton.load(model)
             row = {"name": name, "label": label, "results": {}}
             for concurrency in p["tuning_c"]:
                 before = ctx.triton.stats()
                 result = ctx.pa("classify", concurrency)
-                delta = harness.stats_delta(before, ctx.triton.stats()).get("classifier", {})
+                delta = harness.stats_delta(before, ctx.triton.stats()).get(model, {})
                 result["avg_batch"] = (delta.get("inference_count", 0) / delta["exec_count"]
                                        if delta.get("exec_count") else float("nan"))
                 row["results"][concurrency] = result
@@ -325,7 +339,7 @@ def measure_tuning(ctx, p):
     finally:
         if config_path.read_text() != shipped_text:
             config_path.write_text(shipped_text)
-            ctx.triton.load("classifier")
+            ctx.triton.load(model)
     return rows
 
 

@@ -1,0 +1,1 @@
+../image_classifier/classifier_runtime.py

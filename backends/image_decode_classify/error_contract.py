@@ -1,0 +1,1 @@
+../openai_describe/error_contract.py

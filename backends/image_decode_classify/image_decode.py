@@ -1,0 +1,1 @@
+../image_preprocess/image_decode.py

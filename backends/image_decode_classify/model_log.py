@@ -1,0 +1,1 @@
+../openai_describe/model_log.py

@@ -1,0 +1,203 @@
+"""backends/image_decode_classify without a server: classify_with_view's CPU layout, preprocess's
+decode and the classifier's forward pass in one stub. It must answer what the two models answer in
+turn, fail a bad image alone, make VIEW only when asked, and be configured as they are."""
+
+import importlib.util
+import io
+import json
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tools.model_config import read as read_model_config
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+REPOSITORY = REPO / "model_repository"
+pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
+
+
+def load_module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fused_module = load_module("image_decode_classify_model", REPO / "backends/image_decode_classify/model.py")
+preprocess_module = load_module("image_preprocess_model", REPO / "backends/image_preprocess/model.py")
+classifier_module = load_module("image_classifier_model", REPO / "backends/image_classifier/model.py")
+
+
+def as_triton_json(path):
+    """A committed config.pbtxt as the JSON Triton hands to initialize()."""
+    from google.protobuf import json_format
+
+    config = json_format.MessageToDict(read_model_config(path), preserving_proto_field_name=True)
+    for output in config.get("output", []) + config.get("input", []):
+        output["dims"] = [int(d) for d in output["dims"]]
+    return config
+
+
+def initialized(module, name, config):
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(config), "model_name": name, "model_version": "1",
+                      "model_repository": str(REPOSITORY / name), "model_instance_kind": "CPU",
+                      "model_instance_device_id": "0"})
+    return model
+
+
+@pytest.fixture(autouse=True)
+def restore_pillow_guard(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return initialized(fused_module, "classify_with_view", as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt"))
+
+
+@pytest.fixture(scope="module")
+def two_models():
+    return (initialized(preprocess_module, "preprocess", as_triton_json(REPOSITORY / "preprocess/config.pbtxt")),
+            initialized(classifier_module, "classifier", as_triton_json(REPOSITORY / "classifier/config.pbtxt")))
+
+
+@pytest.fixture(scope="module")
+def photos():
+    from skimage import data
+
+    photos = {}
+    for name in ("chelsea", "coffee", "astronaut", "rocket"):
+        buffer = io.BytesIO()
+        Image.fromarray(getattr(data, name)()).convert("RGB").save(buffer, "JPEG", quality=85)
+        photos[name] = buffer.getvalue()
+    return photos
+
+
+def image_request(*images, outputs=None):
+    return pb_utils.InferenceRequest({"IMAGE": np.array([[image] for image in images], dtype=np.object_)},
+                                     requested_outputs=outputs)
+
+
+def answer(response):
+    assert not response.has_error(), response.error().message()
+    return response.output("LABELS"), response.output("SCORES")
+
+
+def test_it_answers_what_preprocess_then_the_classifier_answer(fused, two_models, photos):
+    preprocess, classifier = two_models
+    for name, photo in photos.items():
+        pixels = preprocess.execute([image_request(photo, outputs=["PIXELS"])])[0].output("PIXELS")
+        labels, scores = answer(classifier.execute([pb_utils.InferenceRequest({"PIXELS": pixels})])[0])
+        fused_labels, fused_scores = answer(fused.execute([image_request(photo, outputs=["LABELS", "SCORES"])])[0])
+        assert fused_labels.tolist() == labels.tolist(), name
+        np.testing.assert_allclose(fused_scores, scores, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_requests_of_one_execution_get_their_own_answers_in_order(fused, photos):
+    names = list(photos)
+    responses = fused.execute([image_request(photos[name], outputs=["LABELS", "SCORES"]) for name in names])
+    alone = [answer(fused.execute([image_request(photos[name], outputs=["LABELS", "SCORES"])])[0])[0] for name in names]
+    assert [answer(response)[0].tolist() for response in responses] == [labels.tolist() for labels in alone]
+    assert len({labels[0][0] for labels in alone}) == len(names)  # distinct photos: a swap would show
+
+
+def test_a_request_with_several_rows_gets_one_answer_row_per_image(fused, photos):
+    labels, scores = answer(fused.execute([image_request(photos["coffee"], photos["chelsea"])])[0])
+    assert labels.shape == scores.shape == (2, 5)
+    assert labels[0][0] != labels[1][0]
+
+
+def test_a_bad_image_fails_alone(fused, photos):
+    responses = fused.execute([image_request(photos["coffee"]), image_request(b"not an image at all"),
+                               image_request(photos["chelsea"])])
+    assert not responses[0].has_error() and not responses[2].has_error()
+    assert responses[1].has_error()
+    assert responses[1].error().code() == pb_utils.TritonError.INVALID_ARG
+    assert "IMAGE" in responses[1].error().message()
+
+
+def test_a_classifier_failure_fails_the_decoded_requests_as_internal_without_details(fused, photos, monkeypatch):
+    def broken(pixels):
+        raise RuntimeError("secret detail of the runtime")
+
+    monkeypatch.setattr(fused.classifier, "classify", broken)
+    responses = fused.execute([image_request(photos["coffee"]), image_request(b"junk")])
+    assert responses[0].error().code() == pb_utils.TritonError.INTERNAL
+    assert "secret detail" not in responses[0].error().message()
+    assert responses[1].error().code() == pb_utils.TritonError.INVALID_ARG  # still its own answer
+
+
+def test_the_view_is_made_only_when_asked_for(fused, photos):
+    without = fused.execute([image_request(photos["coffee"], outputs=["LABELS", "SCORES"])])[0]
+    assert "VIEW" not in {tensor.name() for tensor in without.output_tensors()}
+    for asked in (["LABELS", "SCORES", "VIEW"], None):  # None: a client that named no output gets all
+        view = fused.execute([image_request(photos["coffee"], outputs=asked)])[0].output("VIEW")
+        assert view.shape == (1, 1) and view[0][0].startswith(b"\xff\xd8\xff")
+
+
+def test_vision_off_answers_an_empty_view(photos, monkeypatch):
+    monkeypatch.setenv("LLM_VISION", "off")
+    model = initialized(fused_module, "classify_with_view", as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt"))
+    response = model.execute([image_request(photos["coffee"], outputs=["VIEW", "LABELS"])])[0]
+    assert response.output("VIEW")[0][0] == b""
+    assert not response.has_error()
+
+
+def test_parameters_are_split_between_the_decode_and_the_classifier():
+    decode, classifier, folder = fused_module.split_parameters(
+        {"crop_size": "224", "jpeg_draft": "false", "runtime": "onnxruntime", "model_file": "m.onnx",
+         "classifier_model": "my_classifier"})
+    assert decode == {"crop_size": "224", "jpeg_draft": "false"}
+    assert classifier == {"runtime": "onnxruntime", "model_file": "m.onnx"}
+    assert folder == "my_classifier"
+    assert fused_module.split_parameters({"runtime": "onnxruntime"})[2] == "classifier"
+
+
+@pytest.mark.parametrize("folder", ["", "..", ".", "../classifier", "a/b"])
+def test_a_classifier_folder_outside_the_repository_is_refused(folder):
+    with pytest.raises(fused_module.DecodeConfigError, match="classifier_model"):
+        fused_module.split_parameters({"classifier_model": folder})
+
+
+def test_a_bad_parameter_fails_the_load_with_its_name(monkeypatch):
+    config = as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt")
+    config["parameters"]["crop_size"] = {"string_value": "0"}
+    with pytest.raises(pb_utils.TritonModelException, match="crop_size"):
+        initialized(fused_module, "classify_with_view", config)
+    config = as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt")
+    config["parameters"]["runtime"] = {"string_value": "tensorflow"}
+    with pytest.raises(pb_utils.TritonModelException, match="runtime"):
+        initialized(fused_module, "classify_with_view", config)
+
+
+def test_the_config_keeps_preprocess_and_classifier_settings():
+    """classify_with_view repeats preprocess's and the classifier's parameters (a model brought to
+    classifier/ is served by both layouts): they must not drift apart."""
+    def parameters(model):
+        return {key: value.string_value
+                for key, value in read_model_config(REPOSITORY / model / "config.pbtxt").parameters.items()}
+
+    fused = parameters("classify_with_view")
+    assert fused.pop("classifier_model") == "classifier"
+    assert fused == {**parameters("preprocess"), **parameters("classifier")}
+
+
+def test_the_gpu_config_chains_preprocess_and_the_gpu_classifier():
+    gpu = read_model_config(REPOSITORY / "classify_with_view/configs/gpu.pbtxt")
+    assert gpu.name == "classify_with_view" and gpu.platform == "ensemble"
+    assert [step.model_name for step in gpu.ensemble_scheduling.step] == ["preprocess", "classifier"]
+    cpu = read_model_config(REPOSITORY / "classify_with_view/config.pbtxt")
+    assert [(o.name, o.data_type, list(o.dims)) for o in gpu.output] == [(o.name, o.data_type, list(o.dims)) for o in cpu.output]
+    assert [(i.name, i.data_type, list(i.dims)) for i in gpu.input] == [(i.name, i.data_type, list(i.dims)) for i in cpu.input]
+
+
+def test_a_config_without_view_never_makes_one(photos):
+    config = as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt")
+    config["output"] = [output for output in config["output"] if output["name"] != "VIEW"]
+    model = initialized(fused_module, "classify_with_view", config)
+    response = model.execute([image_request(photos["coffee"])])[0]  # no outputs named: all the config has
+    assert {tensor.name() for tensor in response.output_tensors()} == {"LABELS", "SCORES"}
