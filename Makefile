@@ -171,7 +171,8 @@ rehearse: build
 	$(PY) -m tools.rehearse_scaling $(REHEARSE_ARGS)
 
 # Benchmarks: perf_analyzer against a server and a fake LLM upstream that the run
-# starts on free ports (tools/bench/). Not part of `make test`. The report is
+# starts on free ports (tools/bench/), and the same job served by BentoML
+# (bentoml-baseline). Not part of `make test`. The report is
 # generated from the run's results file alone (python -m tools.bench.report FILE).
 #   make bench         docs/results/bench.json, docs/benchmarks.md, docs/plots/*.png (about 20 minutes)
 #   make bench-quick   the targets in about 3 minutes (build/bench/quick/)

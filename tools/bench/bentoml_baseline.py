@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -441,6 +442,7 @@ def main(argv=None):
         if triton is not None:
             triton.stop()
         llm.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     results.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command="python -m tools.bench.bentoml_baseline " + " ".join(sys.argv[1:] if argv is None else argv),
                    load_average_before=load_before, load_average_after=load_average())
