@@ -53,6 +53,7 @@ help:
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
 	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
+	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
 	@echo "make bench-cpu      CPU per request by process and step vs in-process (~4 min; BENCH_CPU_ARGS=--compare K=V for an A/B)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"

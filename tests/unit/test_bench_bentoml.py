@@ -16,9 +16,9 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = pathlib.Path(__file__).parent / "data/bench_results_smoke.json"
 
 
-def window(side, throughput, failures=0):
+def window(side, throughput, failures=0, cpu_ms=10.0):
     return {"side": side, "concurrency": 16, "throughput": throughput, "failures": failures, "count": 100,
-            "p50_ms": 100.0, "p99_ms": 200.0, "failure_reasons": {}, "server_cpu_ms_per_request": 10.0,
+            "p50_ms": 100.0, "p99_ms": 200.0, "failure_reasons": {}, "server_cpu_ms_per_request": cpu_ms,
             "generator_cpu_ms_per_request": 1.0}
 
 
@@ -36,9 +36,11 @@ def section(windows):
 
 
 def test_the_ratio_is_the_ensembles_windows_over_bentomls_and_failures_add_up():
-    figures = bentoml_baseline.summarize([window("ensemble", 90.0), window("bentoml", 50.0, failures=2),
-                                          window("bentoml", 70.0, failures=1), window("ensemble", 110.0)])
+    figures = bentoml_baseline.summarize([window("ensemble", 90.0, cpu_ms=12.0), window("bentoml", 50.0, failures=2),
+                                          window("bentoml", 70.0, failures=1, cpu_ms=14.0),
+                                          window("ensemble", 110.0, cpu_ms=14.0)])
     assert figures["ratio"] == pytest.approx(200.0 / 120.0)
+    assert figures["server_cpu_ms_per_request"] == {"ensemble": pytest.approx(13.0), "bentoml": pytest.approx(12.0)}
     assert figures["throughput"] == {"ensemble": pytest.approx(100.0), "bentoml": pytest.approx(60.0)}
     assert figures["failures"] == {"ensemble": 0, "bentoml": 3}
 
@@ -48,6 +50,7 @@ def test_the_row_is_met_at_1_5x_with_no_failed_ensemble_request_and_names_the_cp
     assert row.measured == pytest.approx(1.5) and row.met
     assert "150.0 req/s at c=16 vs BentoML 1.4.40 100.0 req/s at c=8 (no_batching)" in row.detail
     assert "failed requests 0 vs 4" in row.detail and "Intel Xeon X (VNNI)" in row.detail
+    assert "server CPU 10.0 vs 10.0 ms per request" in row.detail
 
 
 def test_the_row_is_not_met_below_1_5x():
