@@ -52,7 +52,7 @@ help:
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
-	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
+	@echo "make bench-quick    the targets in about 5 minutes (build/bench/quick)"
 	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
 	@echo "make bench-cpu      CPU per request by process and step vs in-process (~4 min; BENCH_CPU_ARGS=--compare K=V for an A/B)"
@@ -176,7 +176,7 @@ rehearse: build
 # (bentoml-baseline). Not part of `make test`. The report is
 # generated from the run's results file alone (python -m tools.bench.report FILE).
 #   make bench         docs/results/bench.json, docs/benchmarks.md, docs/plots/*.png (about 20 minutes)
-#   make bench-quick   the targets in about 3 minutes (build/bench/quick/)
+#   make bench-quick   the targets in about 5 minutes (build/bench/quick/; the BentoML section about 1.5 of them)
 .PHONY: bench bench-quick
 bench: build perf-analyzer bentoml-baseline
 	$(PY) -m tools.bench.run --mode full
