@@ -140,3 +140,14 @@ def test_the_committed_report_keeps_its_row_without_the_section():
     results = report.load(REPO / "docs/results/bench.json")  # a run from before the section
     row = next(r for r in report.targets(results) if r.name.startswith("ensemble / a BentoML service"))
     assert row.measured is None and row.detail == "not measured: tools/bench has no BentoML service of the job yet"
+
+
+def test_smoke_runs_and_a_build_without_bentomls_venv_skip_the_section_and_say_why(monkeypatch, tmp_path):
+    """`make test`'s smoke run does not build BentoML's venv: the section says so, nothing is started."""
+    ctx = type("Ctx", (), {"mode": "smoke"})()
+    assert bentoml_baseline.measure(ctx) == {"skipped": "mode smoke does not measure it (make bench, make bench-quick do)"}
+    ctx.mode = "quick"
+    monkeypatch.setattr(bentoml_baseline, "VENV", REPO / "build/no-such-venv")
+    section = bentoml_baseline.measure(ctx)
+    assert "run `make bentoml-baseline`" in section["skipped"]
+    assert bentoml_baseline.target_row(section).detail.startswith("not measured: no BentoML venv")
