@@ -151,3 +151,17 @@ def test_smoke_runs_and_a_build_without_bentomls_venv_skip_the_section_and_say_w
     section = bentoml_baseline.measure(ctx)
     assert "run `make bentoml-baseline`" in section["skipped"]
     assert bentoml_baseline.target_row(section).detail.startswith("not measured: no BentoML venv")
+
+
+def test_the_report_renders_the_section_and_its_row_from_the_results_file(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    results.setdefault("sections", {})["bentoml"] = section([window("ensemble", 120.0), window("bentoml", 100.0)])
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    out = tmp_path / "benchmarks.md"
+    report.write(report.load(path), out, tmp_path / "plots")
+    text = out.read_text()
+    assert "## The ensemble against a BentoML service of the same job" in text
+    assert "Ratio: **1.20**" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ensemble / a BentoML service"))
+    assert "| 1.20 | >= 1.50 | **not met** |" in row
