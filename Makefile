@@ -28,6 +28,7 @@ GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
 OUR_BACKENDS := $(notdir $(wildcard backends/*))
 PERF_DIR   := $(BUILD)/perf_analyzer
 LITELLM_DIR := $(BUILD)/litellm-venv
+BENTOML_DIR := $(BUILD)/bentoml-venv
 
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
@@ -51,7 +52,8 @@ help:
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
-	@echo "make bench-quick    the targets in about 3 minutes (build/bench/quick)"
+	@echo "make bench-quick    the targets in about 5 minutes (build/bench/quick)"
+	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
 	@echo "make bench-cpu      CPU per request by process and step vs in-process (~4 min; BENCH_CPU_ARGS=--compare K=V for an A/B)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
@@ -142,6 +144,15 @@ $(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install
 	scripts/install_litellm.sh $(PYTHON_BIN) $(LITELLM_DIR)
 	touch $@
 
+# BentoML serving the same job (tools/bench/bentoml_service.py), the baseline
+# `make bench` measures the ensemble against, in its own venv (about 330 MB,
+# 1 min); not part of `make test`.
+.PHONY: bentoml-baseline
+bentoml-baseline: $(BENTOML_DIR)/.installed
+$(BENTOML_DIR)/.installed: versions.env requirements-bentoml.txt scripts/install_bentoml.sh
+	scripts/install_bentoml.sh $(PYTHON_BIN) $(BENTOML_DIR)
+	touch $@
+
 docker-build:
 	docker build --build-arg TRITON_IMAGE=$(TRITON_IMAGE) -t $(IMAGE_NAME) .
 
@@ -161,15 +172,16 @@ rehearse: build
 	$(PY) -m tools.rehearse_scaling $(REHEARSE_ARGS)
 
 # Benchmarks: perf_analyzer against a server and a fake LLM upstream that the run
-# starts on free ports (tools/bench/). Not part of `make test`. The report is
+# starts on free ports (tools/bench/), and the same job served by BentoML
+# (bentoml-baseline). Not part of `make test`. The report is
 # generated from the run's results file alone (python -m tools.bench.report FILE).
 #   make bench         docs/results/bench.json, docs/benchmarks.md, docs/plots/*.png (about 20 minutes)
-#   make bench-quick   the targets in about 3 minutes (build/bench/quick/)
+#   make bench-quick   the targets in about 5 minutes (build/bench/quick/; the BentoML section about 1.5 of them)
 .PHONY: bench bench-quick
-bench: build perf-analyzer
+bench: build perf-analyzer bentoml-baseline
 	$(PY) -m tools.bench.run --mode full
 
-bench-quick: build perf-analyzer
+bench-quick: build perf-analyzer bentoml-baseline
 	$(PY) -m tools.bench.run --mode quick --results $(BUILD)/bench/quick/results.json
 
 # The OpenAI-compatible front against tritonclient gRPC directly, side by side in

@@ -36,6 +36,7 @@ import importlib
 SECTIONS = (
     "tools.bench.streaming",
     "tools.bench.openai_front",
+    "tools.bench.bentoml_baseline",
 )
 
 

@@ -1,0 +1,167 @@
+"""The BentoML comparison of `make bench` (tools/bench/bentoml_baseline.py): its targets row
+is computed from the section's results alone (the ratio of the alternating windows, not met
+below 1.5x or when an ensemble request failed), the saturating concurrency is the smallest
+within 5 % of the best, the request bodies are what Triton's binary tensor extension and a
+multipart form carry, and the BentoML service gets the run's model repository settings."""
+
+import email.parser
+import json
+import pathlib
+
+import pytest
+
+from tools.bench import bentoml_baseline, report
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FIXTURE = pathlib.Path(__file__).parent / "data/bench_results_smoke.json"
+
+
+def window(side, throughput, failures=0, cpu_ms=10.0):
+    return {"side": side, "concurrency": 16, "throughput": throughput, "failures": failures, "count": 100,
+            "p50_ms": 100.0, "p99_ms": 200.0, "failure_reasons": {}, "server_cpu_ms_per_request": cpu_ms,
+            "generator_cpu_ms_per_request": 1.0}
+
+
+def section(windows):
+    """A measured section as bench() writes it, from its windows."""
+    return {"target_ratio": 1.5, "bentoml_version": "1.4.40", "variant": "no_batching",
+            "host": {"cpu": {"model": "Intel Xeon X", "isa_flags": ["avx2", "avx512_vnni"], "vnni": True},
+                     "cores": 2, "memory_gib": 24, "os": "Linux"},
+            "variants": {"no_batching": "one service"},
+            "sweep_ensemble": {"8": window("ensemble", 100.0), "16": window("ensemble", 110.0)},
+            "sweep_bentoml": {"no_batching": {"8": window("bentoml", 40.0, failures=3)}},
+            "saturating": {"ensemble": 16, "bentoml": 8}, "windows": windows,
+            "load_average_before": [1.0, 1.0, 1.0], "load_average_after": [2.0, 2.0, 2.0],
+            **bentoml_baseline.summarize(windows)}
+
+
+def test_the_ratio_is_the_ensembles_windows_over_bentomls_and_failures_add_up():
+    figures = bentoml_baseline.summarize([window("ensemble", 90.0, cpu_ms=12.0), window("bentoml", 50.0, failures=2),
+                                          window("bentoml", 70.0, failures=1, cpu_ms=14.0),
+                                          window("ensemble", 110.0, cpu_ms=14.0)])
+    assert figures["ratio"] == pytest.approx(200.0 / 120.0)
+    assert figures["server_cpu_ms_per_request"] == {"ensemble": pytest.approx(13.0), "bentoml": pytest.approx(12.0)}
+    assert figures["throughput"] == {"ensemble": pytest.approx(100.0), "bentoml": pytest.approx(60.0)}
+    assert figures["failures"] == {"ensemble": 0, "bentoml": 3}
+
+
+def test_the_row_is_met_at_1_5x_with_no_failed_ensemble_request_and_names_the_cpu():
+    row = bentoml_baseline.target_row(section([window("ensemble", 150.0), window("bentoml", 100.0, failures=4)]))
+    assert row.measured == pytest.approx(1.5) and row.met
+    assert "150.0 req/s at c=16 vs BentoML 1.4.40 100.0 req/s at c=8 (no_batching)" in row.detail
+    assert "failed requests 0 vs 4" in row.detail and "Intel Xeon X (VNNI)" in row.detail
+    assert "server CPU 10.0 vs 10.0 ms per request" in row.detail
+
+
+def test_the_row_is_not_met_below_1_5x():
+    row = bentoml_baseline.target_row(section([window("ensemble", 149.0), window("bentoml", 100.0)]))
+    assert row.measured == pytest.approx(1.49) and not row.met
+
+
+def test_a_failed_ensemble_request_fails_the_row_whatever_the_ratio():
+    row = bentoml_baseline.target_row(section([window("ensemble", 300.0, failures=1), window("bentoml", 100.0)]))
+    assert row.measured == pytest.approx(3.0) and not row.met
+    assert row.detail.startswith("not met whatever the ratio: 1 ensemble request(s) failed")
+
+
+def test_without_a_measurement_the_row_says_why_and_is_not_met():
+    assert bentoml_baseline.target_row(None).measured is None
+    row = bentoml_baseline.target_row({"skipped": "mode smoke does not measure it"})
+    assert row.measured is None and not row.met and row.detail == "not measured: mode smoke does not measure it"
+
+
+def test_the_report_takes_the_row_from_the_runs_section():
+    results = report.load(FIXTURE)
+    results.setdefault("sections", {})["bentoml"] = section([window("ensemble", 160.0), window("bentoml", 80.0)])
+    row = next(r for r in report.targets(results) if r.name.startswith("ensemble / a BentoML service"))
+    assert row.measured == pytest.approx(2.0) and row.met
+
+
+def test_the_section_renders_its_windows_and_ratio():
+    text = "\n".join(bentoml_baseline.render(json.loads(json.dumps(
+        section([window("ensemble", 160.0), window("bentoml", 80.0, failures=5)])))))
+    assert "Ratio: **2.00** (ensemble 160.0 vs BentoML 80.0 req/s" in text
+    assert "failed requests 0 vs 5" in text
+    assert "| 8 | 100.0 (0) | 40.0 (3) |" in text  # the sweep, failures in brackets
+    assert bentoml_baseline.render({"skipped": "why"})[-1] == "Not measured: why."
+
+
+@pytest.mark.parametrize("sweep, expected", [
+    ({8: 40.0, 16: 50.0, 32: 51.0, 64: 49.0}, 16),  # 50 is within 5 % of 51
+    ({8: 40.0, 16: 48.0, 32: 51.0, 64: 49.0}, 32),  # 48 is not: 48 < 0.95 * 51
+    ({8: 60.0, 16: 50.0}, 8),
+])
+def test_the_saturating_concurrency_is_the_smallest_within_5_percent_of_the_best(sweep, expected):
+    assert bentoml_baseline.saturating(sweep) == expected
+
+
+def test_the_triton_body_is_the_binary_tensor_extension():
+    header, body = bentoml_baseline.triton_body(b"\xff\xd8jpeg", b"a prompt")
+    parsed = json.loads(header)
+    assert body.startswith(header)
+    tensors = body[len(header):]
+    sizes = [t["parameters"]["binary_data_size"] for t in parsed["inputs"]]
+    assert [t["name"] for t in parsed["inputs"]] == ["IMAGE", "PROMPT"] and sum(sizes) == len(tensors)
+    assert tensors[:sizes[0]] == (6).to_bytes(4, "little") + b"\xff\xd8jpeg"
+    assert tensors[sizes[0]:] == (8).to_bytes(4, "little") + b"a prompt"
+
+
+def test_the_bentoml_body_is_a_multipart_form_with_the_photo_as_a_file():
+    body = bentoml_baseline.multipart_body(b"\xff\xd8\r\n--jpeg", b"a prompt")
+    message = email.parser.BytesParser().parsebytes(
+        f"Content-Type: multipart/form-data; boundary={bentoml_baseline.BOUNDARY}\r\n\r\n".encode() + body)
+    parts = {part.get_param("name", header="content-disposition"): part for part in message.get_payload()}
+    assert parts["image"].get_filename() == "photo.jpg" and parts["image"].get_content_type() == "image/jpeg"
+    assert parts["image"].get_payload(decode=True) == b"\xff\xd8\r\n--jpeg"
+    assert parts["prompt"].get_payload(decode=True) == b"a prompt"
+
+
+def test_the_service_gets_the_model_repositorys_settings(tmp_path):
+    repository = tmp_path / "model_repository"
+    for model in ("classifier", "preprocess", "describe"):
+        (repository / model).mkdir(parents=True)
+        (repository / model / "config.pbtxt").write_text((REPO / "model_repository" / model / "config.pbtxt").read_text())
+    config = repository / "classifier/config.pbtxt"
+    config.write_text(config.read_text().replace('key: "intra_op_threads" value { string_value: "1" }',
+                                                 'key: "intra_op_threads" value { string_value: "3" }'))
+    job = bentoml_baseline.job(repository, "no_batching")
+    assert job["model_file"] == str(repository / "classifier/1/model.onnx") and job["intra_op_threads"] == 3
+    assert job["preprocess"]["crop_size"] == "224" and job["preprocess"]["jpeg_draft"] == "true"
+    assert job["describe"]["allowed_models"] == "gpt-4o-mini*"
+    assert job["workers"] == 2 and "service" not in job and "label" not in job
+    batched = bentoml_baseline.job(repository, "adaptive_batching")
+    assert batched["max_batch_size"] == 4 and batched["classifier_workers"] == 1
+    config.write_text(config.read_text().replace('string_value: "onnxruntime"', 'string_value: "torchscript"'))
+    with pytest.raises(ValueError, match="runs the ONNX graph"):
+        bentoml_baseline.job(repository, "no_batching")
+
+
+def test_the_committed_report_keeps_its_row_without_the_section():
+    results = report.load(REPO / "docs/results/bench.json")  # a run from before the section
+    row = next(r for r in report.targets(results) if r.name.startswith("ensemble / a BentoML service"))
+    assert row.measured is None and row.detail == "not measured: tools/bench has no BentoML service of the job yet"
+
+
+def test_smoke_runs_and_a_build_without_bentomls_venv_skip_the_section_and_say_why(monkeypatch, tmp_path):
+    """`make test`'s smoke run does not build BentoML's venv: the section says so, nothing is started."""
+    ctx = type("Ctx", (), {"mode": "smoke"})()
+    assert bentoml_baseline.measure(ctx) == {"skipped": "mode smoke does not measure it (make bench, make bench-quick do)"}
+    ctx.mode = "quick"
+    monkeypatch.setattr(bentoml_baseline, "VENV", REPO / "build/no-such-venv")
+    section = bentoml_baseline.measure(ctx)
+    assert "run `make bentoml-baseline`" in section["skipped"]
+    assert bentoml_baseline.target_row(section).detail.startswith("not measured: no BentoML venv")
+
+
+def test_the_report_renders_the_section_and_its_row_from_the_results_file(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    results.setdefault("sections", {})["bentoml"] = section([window("ensemble", 120.0), window("bentoml", 100.0)])
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    out = tmp_path / "benchmarks.md"
+    report.write(report.load(path), out, tmp_path / "plots")
+    text = out.read_text()
+    assert "## The ensemble against a BentoML service of the same job" in text
+    assert "Ratio: **1.20**" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ensemble / a BentoML service"))
+    assert "| 1.20 | >= 1.50 | **not met** |" in row
