@@ -39,7 +39,8 @@ def main(argv=None):
     # never inflated into memory. shutdown_timeout: how long whole answers may finish
     # after TERM; open streams end at once (app._end_streams). lingering_time: after an
     # answer to a body it did not read (413, 415, 408) the connection is closed within
-    # 1 s (aiohttp's default reads and discards the rest for 10 s).
+    # 1 s (aiohttp's default reads and discards the rest for 10 s); the body of a refusal
+    # (503) is read and dropped for longer, its client is not hostile (shedding.py).
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
                 shutdown_timeout=settings.drain_s, handler_cancellation=True, auto_decompress=False,
                 lingering_time=LINGERING_S)
