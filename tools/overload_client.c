@@ -264,8 +264,11 @@ static void fail(struct user *u, const char *why, int epoll_fd) {
     u->wake = now() + 0.1;
 }
 
-/* The connection failed (a send or read error, or closed) before the answer was whole. */
-static void broken(struct user *u, const char *why, int epoll_fd) {
+/* The connection failed (a send or read error, or closed) before the answer was whole;
+ * `why` is the step, the error's name is added to it. */
+static void broken(struct user *u, const char *step, int error, int epoll_fd) {
+    char why[48];
+    snprintf(why, sizeof why, "%s%s%s", step, error ? ":" : "", error ? strerrorname_np(error) : "");
     /* What the server sent before it closed is still there to read. */
     for (ssize_t n = 1; n > 0 && u->received < RECV_MAX - 1;) {
         n = recv(u->fd, u->buf + u->received, RECV_MAX - 1 - u->received, MSG_DONTWAIT);
@@ -290,10 +293,14 @@ static void broken(struct user *u, const char *why, int epoll_fd) {
     fail(u, why, epoll_fd);
 }
 
-/* A timeout's reason names the step the attempt was stuck in. */
+/* A timeout's reason names the step the attempt was stuck in, and whether on a
+ * new connection (that had not answered yet). */
 static const char *timeout_reason(struct user *u) {
-    if (u->state == SENDING) return u->sent ? "lost:timeout:sending" : "lost:timeout:unsent";
-    return u->received ? "lost:timeout:reading" : "lost:timeout:unanswered";
+    static char why[64];
+    const char *step = u->state == SENDING ? (u->sent ? "sending" : "unsent")
+                                           : (u->received ? "reading" : "unanswered");
+    snprintf(why, sizeof why, "lost:timeout:%s%s", step, u->answers ? "" : ":new");
+    return why;
 }
 
 /* The unsent rest of the request, from the three parts. */
@@ -320,7 +327,7 @@ static void do_send(struct user *u, int epoll_fd) {
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = pending(u, iov)};
         ssize_t n = sendmsg(u->fd, &msg, MSG_NOSIGNAL);
         if (n < 0) {
-            if (errno != EAGAIN) broken(u, "lost:send", epoll_fd);
+            if (errno != EAGAIN) broken(u, "lost:send", errno, epoll_fd);
             return;
         }
         u->sent += n;
@@ -331,9 +338,9 @@ static void do_send(struct user *u, int epoll_fd) {
 static void do_read(struct user *u, int epoll_fd) {
     for (;;) {
         ssize_t n = recv(u->fd, u->buf + u->received, RECV_MAX - 1 - u->received, 0);
-        if (n == 0) return broken(u, "lost:closed", epoll_fd);
+        if (n == 0) return broken(u, "lost:closed", 0, epoll_fd);
         if (n < 0) {
-            if (errno != EAGAIN) broken(u, "lost:recv", epoll_fd);
+            if (errno != EAGAIN) broken(u, "lost:recv", errno, epoll_fd);
             return;
         }
         u->received += n;

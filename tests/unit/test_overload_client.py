@@ -331,4 +331,4 @@ def test_a_timeout_names_the_step_it_was_stuck_in(tmp_path):
         threading.Event().wait(3)
 
     figures, _ = c_phase_against(tmp_path, never_answer, seconds=0.2, timeout_s=0.5)
-    assert figures["lost_by_reason"] == {"lost:timeout:unanswered": 1}
+    assert figures["lost_by_reason"] == {"lost:timeout:unanswered:new": 1}
