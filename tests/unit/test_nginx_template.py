@@ -17,7 +17,7 @@ def test_the_template_takes_the_three_documented_variables_and_keeps_nginxs_own(
     text = nginx.SHED_TEMPLATE.read_text()
     rendered = nginx.render(text, VALUES)
     assert "${" not in rendered
-    assert "server 127.0.0.1:8000;" in rendered and "listen 8080;" in rendered
+    assert "server 127.0.0.1:8000;" in rendered and "listen 8080 backlog=4096;" in rendered
     assert "limit_conn triton_in_flight 128;" in rendered
     assert "limit_conn_zone $server_port" in rendered  # nginx's variable, left for nginx
 
