@@ -11,6 +11,11 @@ from . import settings as front_settings
 from .app import create_app
 
 LINGERING_S = 1.0
+# Connections the kernel holds until the front accepts them (aiohttp's default: 128).
+# Thousands of clients connecting at once overflowed it and the kernel reset their
+# connections (SYN cookies that failed): lost requests (docs/reliability.md#overload).
+# Capped by net.core.somaxconn (4096 on current kernels).
+LISTEN_BACKLOG = 4096
 
 
 def main(argv=None):
@@ -43,7 +48,7 @@ def main(argv=None):
     # (503) is read and dropped for longer, its client is not hostile (shedding.py).
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
                 shutdown_timeout=settings.drain_s, handler_cancellation=True, auto_decompress=False,
-                lingering_time=LINGERING_S)
+                lingering_time=LINGERING_S, backlog=LISTEN_BACKLOG)
     return 0
 
 

@@ -3,17 +3,25 @@ discard_refused_bodies): it gets its 503 and keeps its connection, never a
 reset, however long past aiohttp's 1 s lingering_time its body takes; a body
 that does not end (stalled, or chunked without end) has its connection closed.
 Raw blocking sockets in a thread, against the real app served as __main__
-serves it, with the one slot held by a valid request beside."""
+serves it, with the one slot held by a valid request beside; and 2,560 C
+users connecting at once, each refused, none reset."""
 
 import asyncio
 import json
+import pathlib
+import shutil
 import socket
+import threading
 import time
 
+import pytest
+from aiohttp import web
 from test_openai_front import StalledPool, body, front_with
 from test_openai_front_hostile import serving
 
+from openai_front import __main__ as front_main
 from openai_front import app as front_app
+from tools import overload
 
 SOCKET_TIMEOUT_S = 15  # generous: only a hang reaches it on a loaded machine
 
@@ -154,3 +162,61 @@ def test_a_refused_chunked_body_without_end_is_cut_after_the_largest_body():
 
     sent = asyncio.run(main())
     assert sent is not None and sent < 64 * 1024 * 1024, sent
+
+
+def somaxconn():
+    try:
+        return int(pathlib.Path("/proc/sys/net/core/somaxconn").read_text())
+    except OSError:
+        return 0
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@pytest.mark.skipif(somaxconn() < 2560, reason="net.core.somaxconn caps the listen backlog below 2,560 here")
+def test_thousands_connecting_at_once_are_each_refused_none_reset(tmp_path):
+    """2,560 C users (tools/overload_client.c, openai mode) connect at once to the
+    front, listening as __main__ has it listen, its one slot held: every attempt is
+    a refusal. With aiohttp's default listen backlog (128) the kernel reset
+    hundreds of them (its SYN cookies failed: lost:send / lost:recv ECONNRESET)."""
+    pool = StalledPool()
+    app = front_with(pool, max_requests_in_flight=1)
+    started, stop = threading.Event(), None
+    port = []
+
+    def serve():
+        nonlocal stop
+        loop = asyncio.new_event_loop()
+
+        async def main():
+            runner = web.AppRunner(app, handler_cancellation=True, auto_decompress=False,
+                                   lingering_time=front_main.LINGERING_S)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0, backlog=front_main.LISTEN_BACKLOG)
+            await site.start()
+            port.append(runner.addresses[0][1])
+            holder = await hold_the_slot(type("S", (), {"port": port[0]}), pool)
+            done = asyncio.Event()
+            nonlocal stop
+            stop = lambda: loop.call_soon_threadsafe(done.set)  # noqa: E731 - the thread's way out
+            started.set()
+            await done.wait()
+            holder.close()
+            await runner.cleanup()
+
+        loop.run_until_complete(main())
+        loop.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert started.wait(SOCKET_TIMEOUT_S), "the front did not start"
+    try:
+        (tmp_path / "photo").write_bytes(b"p" * 65536)
+        figures = overload.c_phase(overload.compile_c_client(tmp_path), f"127.0.0.1:{port[0]}", tmp_path / "photo",
+                                   users=2560, seconds=2, timeout_s=30, backoff_base_s=0, openai=True)
+    finally:
+        stop()
+        thread.join(SOCKET_TIMEOUT_S)
+    # Every user's attempts are seen to their end, so none lost is the whole check; how many
+    # refusals end within the 2 s depends on the machine's load (only the window's are counted).
+    assert figures["lost"] == 0, figures["lost_by_reason"]
+    assert figures["rejected"] >= 1 and figures["admitted"] == 0
