@@ -11,6 +11,11 @@ from . import settings as front_settings
 from .app import create_app
 
 LINGERING_S = 1.0
+# Connections the kernel holds until the front accepts them (aiohttp's default: 128).
+# Thousands of clients connecting at once overflowed it and the kernel reset their
+# connections (SYN cookies that failed): lost requests (docs/reliability.md#overload).
+# Capped by net.core.somaxconn (4096 on current kernels).
+LISTEN_BACKLOG = 4096
 
 
 def main(argv=None):
@@ -39,10 +44,11 @@ def main(argv=None):
     # never inflated into memory. shutdown_timeout: how long whole answers may finish
     # after TERM; open streams end at once (app._end_streams). lingering_time: after an
     # answer to a body it did not read (413, 415, 408) the connection is closed within
-    # 1 s (aiohttp's default reads and discards the rest for 10 s).
+    # 1 s (aiohttp's default reads and discards the rest for 10 s); the body of a refusal
+    # (503) is read and dropped for longer, its client is not hostile (shedding.py).
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
                 shutdown_timeout=settings.drain_s, handler_cancellation=True, auto_decompress=False,
-                lingering_time=LINGERING_S)
+                lingering_time=LINGERING_S, backlog=LISTEN_BACKLOG)
     return 0
 
 

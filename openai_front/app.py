@@ -14,7 +14,7 @@ from aiohttp import web
 from . import access_log, chat, fetch, request_id, responses, trace_context
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
-from .shedding import Admission
+from .shedding import Admission, discard_refused_bodies
 from .triton import TritonPool, request_parameters
 
 log = logging.getLogger("openai_front")
@@ -37,11 +37,14 @@ def max_body_bytes(settings):
 
 
 def create_app(settings):
-    # The access log outermost: it sees every answer, the error answers the next one makes included.
-    # Shedding after auth (its 503 in OpenAI's format) and before any handler reads a body.
+    # Outermost, the body of a refusal is read and dropped once its 503 went out (after the
+    # access log's line: its duration is the answer's). The access log next: it sees every answer,
+    # the error answers the next one makes included. Shedding after auth (its 503 in OpenAI's
+    # format) and before any handler reads a body.
     admission = Admission(settings.max_requests_in_flight)
-    middlewares = ([access_log.middleware] if settings.access_log else []) + [_errors_and_auth,
-                                                                               admission.middleware]
+    middlewares = [discard_refused_bodies(max_body_bytes(settings), settings.body_timeout_s),
+                   *([access_log.middleware] if settings.access_log else []), _errors_and_auth,
+                   admission.middleware]
     app = web.Application(client_max_size=max_body_bytes(settings), middlewares=middlewares)
     app[ADMISSION] = admission
     app[SETTINGS] = settings

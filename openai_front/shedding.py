@@ -18,9 +18,19 @@ second): then about two attempts arrive for each slot that frees, enough to
 keep the slots full and few enough to cost little. Drawn at random around
 that mean (1 to 2 x mean), so clients refused together come back spread out.
 The openai SDK honours a Retry-After of up to 60 s (MAX_RETRY_AFTER_S).
+
+A refused client is still sending its body when its 503 goes out. Closing the
+connection on it would reset it (the kernel answers data sent to a closed
+socket with a reset), and a reset can destroy the 503 before the client reads
+it: aiohttp reads and drops an unread body for only `lingering_time` (1 s
+here, for the hostile cases), then closes. So a refusal's body is read and
+dropped here, bounded in bytes and time, as nginx discards the body of a
+request it refused; the connection then serves the client's next attempt.
 """
 
+import asyncio
 import collections
+import contextlib
 import random
 import time
 
@@ -101,3 +111,27 @@ class Admission:
         if response.status < 500:
             self.retry_after.finish()
         return response
+
+
+def discard_refused_bodies(max_bytes, within_s):
+    """Middleware (the outermost): a 503 decided before its request's body was read
+    goes out at once, then at most `max_bytes` of that body are read and dropped,
+    for at most `within_s`; a body that does not end within both (a chunked one
+    without end, a sender that stalls) has its connection closed."""
+    @web.middleware
+    async def middleware(request, handler):
+        response = await handler(request)
+        if response.status != 503 or response.keep_alive is False or not request.can_read_body \
+                or request.content.is_eof():
+            return response
+        await response.prepare(request)
+        await response.write_eof()
+        left = max_bytes
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                while left > 0 and (chunk := await request.content.readany()):
+                    left -= len(chunk)
+        if not request.content.is_eof() and request.transport is not None:
+            request.transport.close()
+        return response
+    return middleware

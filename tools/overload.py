@@ -36,6 +36,7 @@ upstream and one tritonserver (tools/local_stack.py) and stops both by PID.
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import pathlib
@@ -109,17 +110,20 @@ def summary(users, seconds, admitted, rejected, lost):
     """A phase's figures from its attempts' latencies (s) and its lost requests' reasons."""
     return {"users": users, "seconds": seconds, "admitted": len(admitted), "rejected": len(rejected),
             "lost": len(lost), "lost_sample": lost[:3],
+            "lost_by_reason": dict(collections.Counter(lost).most_common(5)),
             "admitted_per_s": round(len(admitted) / seconds, 1),
             "admitted_p50_ms": percentile_ms(admitted, 50), "admitted_p99_ms": percentile_ms(admitted, 99),
             "rejected_p50_ms": percentile_ms(rejected, 50), "rejected_p99_ms": percentile_ms(rejected, 99)}
 
 
 def parse_attempts(lines, window_s=None):
-    """tools/overload_client.c's lines ("ok|refused|lost:<why> <latency us> [<end us>]")
-    -> (admitted, rejected latencies in s, lost reasons). With `window_s`, only
-    the answers and refusals that ended within the phase's window count (the
-    drain after it is not the load's); every loss counts."""
-    admitted, rejected, lost = [], [], []
+    """tools/overload_client.c's lines ("ok|refused|retry|lost:<why> <latency us> [<end us>]")
+    -> (admitted, rejected latencies in s, lost reasons, retries). With `window_s`,
+    only the answers and refusals that ended within the phase's window count (the
+    drain after it is not the load's); every loss and every retry counts. A retry
+    is a request resent at once on a new connection because the server closed its
+    kept-alive one before any byte of an answer: neither an answer nor a loss."""
+    admitted, rejected, lost, retries = [], [], [], 0
     for line in lines:
         fields = line.split()
         if not fields:
@@ -132,7 +136,9 @@ def parse_attempts(lines, window_s=None):
             rejected.append(latency)
         elif outcome.startswith("lost"):
             lost.append(outcome)
-    return admitted, rejected, lost
+        elif outcome == "retry":
+            retries += 1
+    return admitted, rejected, lost, retries
 
 
 def compile_c_client(workdir):
@@ -157,7 +163,9 @@ def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_bas
                         *(["openai"] if openai else [])],
                        check=True, timeout=seconds + timeout_s + 60)
         elapsed = time.monotonic() - started
-        figures = summary(users, seconds, *parse_attempts(out, window_s=seconds))
+        admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds)
+        figures = summary(users, seconds, admitted, rejected, lost)
+    figures["retried"] = retries
     # What the load generator cost the shared cores (1.0 = one core all the time).
     figures["load_generator_cpu_share"] = round((children_cpu_s() - cpu_before) / elapsed, 3)
     return figures
@@ -386,7 +394,8 @@ def run(stack, args):
             figures["goodput_share"] = round(figures["admitted_per_s"] / saturation["admitted_per_s"], 2) \
                 if saturation["admitted_per_s"] else None
             log(f"  {figures['admitted_per_s']} answered/s ({figures['goodput_share']} of saturation), "
-                f"{figures['rejected']} refused, {figures['lost']} lost")
+                f"{figures['rejected']} refused, {figures['lost']} lost {figures['lost_by_reason']}, "
+                f"{figures.get('retried', 0)} retried")
             phases.append(figures)
     return {"sweep": sweep, "saturation": saturation, "phases": phases,
             "table": table(saturation, phases), "verdict": judge(saturation, phases, args)}

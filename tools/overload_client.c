@@ -12,7 +12,16 @@
  * bottleneck (the Python one was: 1,280 gRPC streams in one process on the
  * cores the server also uses). Every attempt is written to `out` as one line
  * "<outcome> <latency us> <end us since the phase began>", outcome: ok,
- * refused, or lost:<why>.
+ * refused, retry, or lost:<why>.
+ *
+ * Connections as HTTP clients keep them: a kept-alive connection the server
+ * closed while the user was away is replaced before use; an answer with
+ * "Connection: close" ends its connection; when a connection breaks, what the
+ * server sent before it closed is read first (a refusal sent before the body
+ * was read is a refusal, RFC 9112 9.5); a request on a kept-alive connection
+ * that the server closed before any byte of an answer (it closed the
+ * connection as the request left) is sent again at once on a new one and
+ * recorded as `retry`. Lost is what got neither an answer nor a refusal.
  *
  *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai]
  *
@@ -51,6 +60,8 @@ enum state { IDLE, SENDING, READING, SLEEPING, DONE };
 
 struct user {
     int fd, attempt;
+    int answers; /* answers read on this connection: 0 on a new one */
+    int resend;  /* the last attempt is to be sent again at once, even past the deadline */
     enum state state;
     char prompt[4 + PROMPT_LEN + 8]; /* the request's last part, its own */
     size_t sent, received;
@@ -156,11 +167,29 @@ static int connect_user(struct user *u, int epoll_fd) {
         u->fd = -1;
         return -1;
     }
+    u->answers = 0;
     struct epoll_event ev = {.events = EPOLLIN | EPOLLOUT | EPOLLET, .data.ptr = u};
     return epoll_ctl(epoll_fd, EPOLL_CTL_ADD, u->fd, &ev);
 }
 
+static void drop_connection(struct user *u, int epoll_fd) {
+    if (u->fd >= 0) {
+        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, u->fd, NULL);
+        close(u->fd);
+    }
+    u->fd = -1;
+}
+
+/* Nothing to read and no error on an idle kept-alive connection: still usable
+ * (a FIN reads as 0, a reset as an error), the check HTTP clients' pools make. */
+static int still_open(int fd) {
+    char byte;
+    return recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) < 0 && errno == EAGAIN;
+}
+
 static void start_attempt(struct user *u, int epoll_fd) {
+    if (u->fd >= 0 && !still_open(u->fd)) drop_connection(u, epoll_fd);
+    u->resend = 0;
     if (u->fd < 0 && connect_user(u, epoll_fd) < 0) {
         record("lost:connect", 0);
         u->state = SLEEPING;
@@ -171,14 +200,6 @@ static void start_attempt(struct user *u, int epoll_fd) {
     u->sent = u->received = 0;
     u->started = now();
     u->state = SENDING;
-}
-
-static void drop_connection(struct user *u, int epoll_fd) {
-    if (u->fd >= 0) {
-        epoll_ctl(epoll_fd, EPOLL_CTL_DEL, u->fd, NULL);
-        close(u->fd);
-    }
-    u->fd = -1;
 }
 
 static double jitter_s(int attempt) {
@@ -199,8 +220,16 @@ static long answer_length(struct user *u, int *status) {
     return (long)u->received >= total ? total : -1;
 }
 
+/* A header of the answer in u->buf (name with its leading CRLF, lower case). */
+static char *header(struct user *u, const char *name) {
+    char *found = strcasestr(u->buf, name), *end = strstr(u->buf, "\r\n\r\n");
+    return found && found < end ? found : NULL;
+}
+
 static void finish(struct user *u, int status, int epoll_fd) {
     double seconds = now() - u->started;
+    u->answers++;
+    if (header(u, "\r\nconnection: close")) drop_connection(u, epoll_fd); /* the next attempt connects anew */
     if (status == 200) {
         record("ok", seconds);
         u->attempt = 0;
@@ -212,7 +241,7 @@ static void finish(struct user *u, int status, int epoll_fd) {
         double wait = jitter_s(u->attempt++);
         /* Clients that back off also honour Retry-After (capped); those that
          * resend at once (BACKOFF_MS 0) ignore it, which is their point. */
-        char *retry_after = strcasestr(u->buf, "\r\nretry-after:");
+        char *retry_after = header(u, "\r\nretry-after:");
         if (retry_after && backoff_ms > 0) {
             double asked = atof(retry_after + 14);
             if (asked > RETRY_AFTER_CAP_S) asked = RETRY_AFTER_CAP_S;
@@ -233,6 +262,45 @@ static void fail(struct user *u, const char *why, int epoll_fd) {
     drop_connection(u, epoll_fd);
     u->state = SLEEPING;
     u->wake = now() + 0.1;
+}
+
+/* The connection failed (a send or read error, or closed) before the answer was whole;
+ * `why` is the step, the error's name is added to it. */
+static void broken(struct user *u, const char *step, int error, int epoll_fd) {
+    char why[48];
+    snprintf(why, sizeof why, "%s%s%s", step, error ? ":" : "", error ? strerrorname_np(error) : "");
+    /* What the server sent before it closed is still there to read. */
+    for (ssize_t n = 1; n > 0 && u->received < RECV_MAX - 1;) {
+        n = recv(u->fd, u->buf + u->received, RECV_MAX - 1 - u->received, MSG_DONTWAIT);
+        if (n > 0) u->received += n;
+    }
+    int status = 0;
+    if (u->received && answer_length(u, &status) >= 0) {
+        finish(u, status, epoll_fd);
+        drop_connection(u, epoll_fd);
+        return;
+    }
+    if (u->received == 0 && u->answers > 0) {
+        /* Closed by the server as the request left, on a connection that had
+         * answered before: not an answer the server gave, so sent again at once
+         * on a new connection (which, failing so, is lost). */
+        record("retry", now() - u->started);
+        drop_connection(u, epoll_fd);
+        u->state = IDLE;
+        u->resend = 1;
+        return;
+    }
+    fail(u, why, epoll_fd);
+}
+
+/* A timeout's reason names the step the attempt was stuck in, and whether on a
+ * new connection (that had not answered yet). */
+static const char *timeout_reason(struct user *u) {
+    static char why[64];
+    const char *step = u->state == SENDING ? (u->sent ? "sending" : "unsent")
+                                           : (u->received ? "reading" : "unanswered");
+    snprintf(why, sizeof why, "lost:timeout:%s%s", step, u->answers ? "" : ":new");
+    return why;
 }
 
 /* The unsent rest of the request, from the three parts. */
@@ -259,7 +327,7 @@ static void do_send(struct user *u, int epoll_fd) {
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = pending(u, iov)};
         ssize_t n = sendmsg(u->fd, &msg, MSG_NOSIGNAL);
         if (n < 0) {
-            if (errno != EAGAIN) fail(u, "lost:send", epoll_fd);
+            if (errno != EAGAIN) broken(u, "lost:send", errno, epoll_fd);
             return;
         }
         u->sent += n;
@@ -270,9 +338,9 @@ static void do_send(struct user *u, int epoll_fd) {
 static void do_read(struct user *u, int epoll_fd) {
     for (;;) {
         ssize_t n = recv(u->fd, u->buf + u->received, RECV_MAX - 1 - u->received, 0);
-        if (n == 0) return fail(u, "lost:closed", epoll_fd);
+        if (n == 0) return broken(u, "lost:closed", 0, epoll_fd);
         if (n < 0) {
-            if (errno != EAGAIN) fail(u, "lost:recv", epoll_fd);
+            if (errno != EAGAIN) broken(u, "lost:recv", errno, epoll_fd);
             return;
         }
         u->received += n;
@@ -286,7 +354,7 @@ static void do_read(struct user *u, int epoll_fd) {
 /* On an epoll event (or a new attempt): the user's I/O, until it would block. */
 static void step(struct user *u, int epoll_fd, double deadline) {
     if (u->state == IDLE) {
-        if (now() >= deadline) {
+        if (now() >= deadline && !u->resend) {
             u->state = DONE;
             return;
         }
@@ -300,7 +368,7 @@ static void step(struct user *u, int epoll_fd, double deadline) {
 static void tick(struct user *u, int epoll_fd, double deadline, double t) {
     if (u->state == SLEEPING && t >= u->wake) u->state = IDLE;
     if ((u->state == SENDING || u->state == READING) && t - u->started > timeout_ms / 1000)
-        fail(u, "lost:timeout", epoll_fd);
+        fail(u, timeout_reason(u), epoll_fd);
     if (u->state == IDLE) step(u, epoll_fd, deadline);
 }
 

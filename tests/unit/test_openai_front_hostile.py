@@ -209,3 +209,5 @@ def test_the_front_runs_with_the_options_these_tests_use(monkeypatch):
     assert front_main.main(["--port", "1"]) == 0
     assert {key: seen[key] for key in SERVER_OPTIONS} == SERVER_OPTIONS
     assert seen["handler_cancellation"] is True and seen["shutdown_timeout"] == 5.0  # OPENAI_FRONT_DRAIN_S
+    # As test_openai_front_refused_bodies.py listens for its 2,560 clients connecting at once.
+    assert seen["backlog"] == front_main.LISTEN_BACKLOG >= 2560

@@ -1,10 +1,12 @@
 """tools/overload.py's C load generator (tools/overload_client.c): the requests
-it builds, its back-off on a refusal, and the reading of its attempts."""
+it builds, its back-off on a refusal, the reading of its attempts, and its
+connections as HTTP clients keep them (what is lost and what is not)."""
 
 import base64
 import http.server
 import json
 import shutil
+import socket
 import struct
 import threading
 
@@ -14,20 +16,21 @@ from tools import overload
 
 
 def test_attempts_into_a_phase():
-    lines = ["ok 1500000\n", "refused 2100\n", "refused 900\n", "lost:timeout 30000000\n", "ok 2500000\n", "\n"]
-    admitted, rejected, lost = overload.parse_attempts(lines)
-    assert admitted == [1.5, 2.5] and rejected == [0.0021, 0.0009] and lost == ["lost:timeout"]
+    lines = ["ok 1500000\n", "refused 2100\n", "refused 900\n", "lost:timeout 30000000\n", "ok 2500000\n", "\n",
+             "retry 300\n"]
+    admitted, rejected, lost, retries = overload.parse_attempts(lines)
+    assert admitted == [1.5, 2.5] and rejected == [0.0021, 0.0009] and lost == ["lost:timeout"] and retries == 1
     figures = overload.summary(40, 10.0, admitted, rejected, lost)
     assert figures["admitted"] == 2 and figures["rejected"] == 2 and figures["lost"] == 1
     assert figures["admitted_per_s"] == 0.2 and figures["rejected_p50_ms"] == 1.5
-    assert figures["lost_sample"] == ["lost:timeout"]
+    assert figures["lost_sample"] == ["lost:timeout"] and figures["lost_by_reason"] == {"lost:timeout": 1}
 
 
 def test_only_what_ends_within_the_phase_counts_but_every_loss_does():
     lines = ["ok 1000000 900000\n", "ok 1000000 2100000\n", "refused 1000 1500000\n", "refused 1000 2500000\n",
-             "lost:timeout 30000000 32000000\n"]
-    admitted, rejected, lost = overload.parse_attempts(lines, window_s=2.0)
-    assert admitted == [1.0] and rejected == [0.001] and lost == ["lost:timeout"]
+             "lost:timeout 30000000 32000000\n", "retry 1000 33000000\n"]
+    admitted, rejected, lost, retries = overload.parse_attempts(lines, window_s=2.0)
+    assert admitted == [1.0] and rejected == [0.001] and lost == ["lost:timeout"] and retries == 1
 
 
 class StandInTriton(http.server.BaseHTTPRequestHandler):
@@ -163,3 +166,169 @@ def test_the_c_clients_openai_mode_sends_the_photo_as_a_data_uri_and_honours_the
     assert StandInFront.photos and set(StandInFront.photos) == {photo}
     assert all(p.startswith("What is it? (") for p in StandInFront.prompts)
     assert 2 <= len(StandInFront.prompts) <= 4 and figures["admitted"] >= 1 and figures["rejected"] >= 1
+
+
+class RawServer:
+    """A loopback server that hands each accepted connection to `serve(conn, number)`
+    in its own thread: the misbehaviours http.server cannot show (answers before the
+    body, resets, connections closed between requests)."""
+
+    def __init__(self, serve):
+        self.serve, self.connections = serve, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn, self.connections), daemon=True).start()
+
+    def _serve(self, conn, number):
+        with conn:
+            try:
+                self.serve(conn, number)
+            except OSError:
+                pass  # the client went: its side is what the test looks at
+
+    def close(self):
+        self.listener.close()
+
+
+def read_head(conn):
+    """A request's headers -> its Content-Length; None when the client closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, rest = data.split(b"\r\n\r\n", 1)
+    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+                 .split(b":")[1])
+    return length - len(rest)
+
+
+def read_request(conn):
+    """A whole request (headers and body); False when the client closed."""
+    left = read_head(conn)
+    if left is None:
+        return False
+    while left > 0:
+        chunk = conn.recv(min(left, 1 << 20))
+        if not chunk:
+            return False
+        left -= len(chunk)
+    return True
+
+
+def answer(conn, status=503, *headers):
+    body = json.dumps({"error": "Exceeds the in-flight limit of the proxy (1)"} if status == 503
+                      else {"outputs": []}).encode()
+    conn.sendall(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+                 % (status, len(body), b"".join(h + b"\r\n" for h in headers)) + body)
+
+
+def c_phase_against(tmp_path, serve, photo=b"photo", seconds=1.0, backoff_base_s=0, timeout_s=5, users=1):
+    (tmp_path / "photo").write_bytes(photo)
+    server = RawServer(serve)
+    try:
+        figures = overload.c_phase(overload.compile_c_client(tmp_path), f"127.0.0.1:{server.port}",
+                                   tmp_path / "photo", users=users, seconds=seconds, timeout_s=timeout_s,
+                                   backoff_base_s=backoff_base_s)
+    finally:
+        server.close()
+    return figures, server
+
+
+@needs_cc
+def test_a_refusal_sent_before_the_body_was_read_counts_though_the_connection_was_then_reset(tmp_path):
+    """The server answers from the headers and resets the connection while the
+    client is still writing a 16 MB body (more than the socket buffers hold;
+    SO_LINGER 0: a reset, at once): the client's send fails, and the refusal
+    waiting in its socket is read (an early response, RFC 9112 9.5): refused,
+    not lost:send."""
+    def refuse_then_reset(conn, number):
+        read_head(conn)
+        answer(conn, 503)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    figures, _ = c_phase_against(tmp_path, refuse_then_reset, photo=b"p" * (16 << 20))
+    assert figures["lost"] == 0, figures["lost_by_reason"]
+    assert figures["rejected"] >= 1 and figures["retried"] == 0
+
+
+def answer_once_per_connection(close_how):
+    """Each connection: its first request answered (200, kept alive), the next one
+    read and then the connection closed without a byte of an answer."""
+    def serve(conn, number):
+        if read_request(conn):
+            answer(conn, 200)
+        if read_request(conn):
+            close_how(conn)
+    return serve
+
+
+def reset(conn):
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@needs_cc
+@pytest.mark.parametrize("close_how", [lambda conn: None, reset], ids=["fin", "reset"])
+def test_a_kept_alive_connection_closed_before_any_answer_is_retried_on_a_new_one(tmp_path, close_how):
+    figures, server = c_phase_against(tmp_path, answer_once_per_connection(close_how))
+    assert figures["lost"] == 0, figures["lost_by_reason"]
+    assert figures["admitted"] >= 2 and figures["retried"] >= 1
+    assert server.connections >= figures["retried"] + 1  # each retry on a new connection
+
+
+@needs_cc
+def test_a_new_connection_closed_before_any_answer_is_lost_not_retried(tmp_path):
+    """The retry is for the race on a kept-alive connection only: a server that
+    closes every connection unanswered loses every request."""
+    figures, _ = c_phase_against(tmp_path, lambda conn, number: read_request(conn), seconds=0.5)
+    assert figures["lost"] >= 1 and figures["retried"] == 0 and figures["admitted"] == 0
+    assert set(figures["lost_by_reason"]) == {"lost:closed"}
+
+
+@needs_cc
+def test_connection_close_in_an_answer_ends_the_connection(tmp_path):
+    """The server says Connection: close and reads nothing more (it closes a moment
+    later): the next attempt goes on a new connection, not into the closing one."""
+    def answer_and_close(conn, number):
+        read_request(conn)
+        answer(conn, 200, b"Connection: close")
+        threading.Event().wait(0.3)
+
+    figures, _ = c_phase_against(tmp_path, answer_and_close)
+    assert figures["lost"] == 0 and figures["retried"] == 0, figures
+    assert figures["admitted"] >= 2
+
+
+@needs_cc
+def test_a_kept_alive_connection_closed_while_the_user_waited_is_replaced_before_use(tmp_path):
+    """Refused with Retry-After: 1, then the server closes the idle connection (its
+    keep-alive timeout): the user checks it before its next attempt and connects
+    anew, neither a retry nor a loss."""
+    def refuse_then_idle_close(conn, number):
+        read_request(conn)
+        answer(conn, 503, b"Retry-After: 1")
+        threading.Event().wait(0.2)
+
+    figures, _ = c_phase_against(tmp_path, refuse_then_idle_close, seconds=2.5, backoff_base_s=0.01)
+    assert figures["lost"] == 0 and figures["retried"] == 0, figures
+    assert figures["rejected"] >= 2
+
+
+@needs_cc
+def test_a_timeout_names_the_step_it_was_stuck_in(tmp_path):
+    def never_answer(conn, number):
+        read_request(conn)
+        threading.Event().wait(3)
+
+    figures, _ = c_phase_against(tmp_path, never_answer, seconds=0.2, timeout_s=0.5)
+    assert figures["lost_by_reason"] == {"lost:timeout:unanswered:new": 1}

@@ -1,0 +1,124 @@
+"""The shipped shedding proxy (deploy/nginx/triton-shed.conf.template, nginx
+from tools/nginx.py) full, against well-behaved clients it refuses: one still
+sending its body gets its 503 and keeps its connection, and thousands that
+connect at once each get a refusal, none a reset. Its one slot is held by a
+request whose body is still arriving; the upstream only answers the probes
+(what it admits, Triton answers: tests/integration/test_shedding_proxy.py)."""
+
+import http.server
+import json
+import pathlib
+import shutil
+import socket
+import threading
+import time
+
+import pytest
+
+from tools import nginx, overload
+
+SOCKET_TIMEOUT_S = 15  # generous: only a hang reaches it on a loaded machine
+NGINX = shutil.which("nginx") or nginx.REPO / "build/nginx/usr/sbin/nginx"
+pytestmark = pytest.mark.skipif(not pathlib.Path(NGINX).exists() or not (shutil.which("cc") or shutil.which("gcc")),
+                                reason="needs nginx (make build unpacks it) and a C compiler")
+
+
+class Probes(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def infer_head(length):
+    return (b"POST /v2/models/classify_and_describe/infer HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % length)
+
+
+def read_answer(sock):
+    """One HTTP answer -> (status, headers, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed before a whole answer: {data[:200]!r}"
+        data += chunk
+    headers, rest = data.split(b"\r\n\r\n", 1)
+    length = int(next(line for line in headers.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+                 .split(b":")[1])
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "closed in the middle of an answer"
+        rest += chunk
+    return int(headers.split()[1]), headers, rest[:length]
+
+
+@pytest.fixture
+def full_proxy(tmp_path):
+    """The proxy with TRITON_MAX_IN_FLIGHT 1, that one slot taken."""
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Probes)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    try:
+        with nginx.ShedProxy(tmp_path / "nginx", f"127.0.0.1:{upstream.server_address[1]}", 1) as proxy:
+            host, port = proxy.url.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) as holder:
+                holder.sendall(infer_head(1_000_000) + b"x" * 1024)  # its body still to come
+                deadline = time.monotonic() + SOCKET_TIMEOUT_S
+                while refused_probe(proxy) != 503:  # an event, not a sleep: the slot is counted
+                    assert time.monotonic() < deadline, "the proxy never counted the held request"
+                yield proxy
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+
+
+def refused_probe(proxy):
+    host, port = proxy.url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall(infer_head(0))
+        return read_answer(sock)[0]
+
+
+def test_a_refused_client_sending_its_body_slowly_gets_its_503_and_keeps_its_connection(full_proxy):
+    """150 KB in four pieces over 1.5 s, read only once all is sent: nginx
+    answers from the headers and discards the body as it comes."""
+    host, port = full_proxy.url.rsplit(":", 1)
+    body = b"x" * 150_000
+    with socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall(infer_head(len(body)))
+        for start in range(0, len(body), len(body) // 4):
+            if start:
+                time.sleep(0.5)
+            sock.sendall(body[start:start + len(body) // 4])
+        status, headers, answer = read_answer(sock)
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        again, _, _ = read_answer(sock)
+    assert status == 503 and b"Retry-After: 1" in headers and "in-flight limit" in json.loads(answer)["error"]
+    assert again == 200, "the refused client's connection served its next request"
+
+
+def somaxconn():
+    try:
+        return int(pathlib.Path("/proc/sys/net/core/somaxconn").read_text())
+    except OSError:
+        return 0
+
+
+@pytest.mark.skipif(somaxconn() < 2560, reason="net.core.somaxconn caps the listen backlog below 2,560 here")
+def test_thousands_connecting_at_once_are_each_refused_none_reset(full_proxy, tmp_path):
+    """2,560 C users connect at once and resend a 456 KB photo at once: every
+    attempt is a refusal. With nginx's default listen backlog (511) the kernel
+    reset hundreds of them (its SYN cookies failed: lost:recv:ECONNRESET)."""
+    import skimage.data
+
+    photo = pathlib.Path(skimage.data.__file__).parent / "coffee.png"
+    figures = overload.c_phase(overload.compile_c_client(tmp_path), full_proxy.url, photo, users=2560,
+                               seconds=2, timeout_s=30, backoff_base_s=0)
+    # Every user's attempts are seen to their end, so none lost is the whole check; how many
+    # refusals end within the 2 s depends on the machine's load (only the window's are counted).
+    assert figures["lost"] == 0, figures["lost_by_reason"]
+    assert figures["rejected"] >= 1 and figures["admitted"] == 0
