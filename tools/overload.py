@@ -393,7 +393,7 @@ def parse_args(argv):
                         help="the Python clients' retries (the project client's retries=, the SDK's max_retries)")
     parser.add_argument("--generator-nice", type=int, default=19,
                         help="niceness of the load generators, C and Python (default 19, the lowest priority: "
-                             "they take the CPU the server leaves; 0: as before 2026-12-02)")
+                             "they take the CPU the server leaves; 0: as the runs before this option)")
     parser.add_argument("--proxy-max-in-flight", type=int, default=128,
                         help="TRITON_MAX_IN_FLIGHT of the shedding proxy (deploy/nginx)")
     parser.add_argument("--max-p99-ratio", type=float, default=3.0)
