@@ -15,6 +15,8 @@ users holds one.
 
 import argparse
 import asyncio
+import base64
+import collections
 import itertools
 import json
 import os
@@ -22,6 +24,8 @@ import pathlib
 import random
 import sys
 import time
+
+import httpx2
 
 from tools.overload import ENSEMBLE, summary
 
@@ -100,44 +104,78 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None):
     Retry-After. One AsyncOpenAI (one connection pool, sized for the users)
     for all users. Counts every attempt the SDK makes (its retries are
     invisible to the caller): "attempts", "rejected" (503 answers: the
-    front's refusals) and "no_answer" (attempts that got no answer at all, a
-    connection closed while the SDK still wrote its body, say: the SDK
-    retries those with its own back-off). `transport`: for tests."""
-    import base64
+    front's refusals) and "no_answer" (attempts that got no answer at all,
+    e.g. a connection closed while the SDK still wrote its body; the SDK
+    retries those with its own back-off, not the front's Retry-After), with
+    "no_answer_reasons" (exception name -> count). `transport`: the one under
+    the count, for tests (default: httpx's own, pooled for the users).
 
-    import httpx2
+    Each request is the very body `chat.completions.create` would send (the
+    same bytes; tests/unit/test_overload_users.py), but encoded once: create
+    JSON-encodes its 622 KB data URI again on every attempt (about half of
+    what an attempt costs the client), which the clients this generator
+    stands for would pay on their own machines. Sent with the SDK's own
+    `post`, so its retries and response parsing are create's."""
     import openai
+    from openai.types.chat import ChatCompletion
 
-    data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
+    head, tail = chat_body_around_prompt(image)
 
     def make(users):
-        seen = {"attempts": 0, "answers": 0, "rejected": 0}
-
-        async def on_request(request):
-            seen["attempts"] += 1
-
-        async def on_response(response):
-            seen["answers"] += 1
-            seen["rejected"] += response.status_code == 503
-
-        http_client = openai.DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8),
-            event_hooks={"request": [on_request], "response": [on_response]},
-            **({"transport": transport} if transport else {}))
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", http_client=http_client,
-                                    max_retries=retries, timeout=timeout_s)
+        limits = httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
+        counting = CountingTransport(transport or httpx2.AsyncHTTPTransport(limits=limits))
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", max_retries=retries,
+                                    timeout=timeout_s, http_client=openai.DefaultAsyncHttpxClient(transport=counting))
         tag = f"{random.getrandbits(32):08x}"
 
         async def request(number):
-            await client.chat.completions.create(model=ENSEMBLE, messages=[{"role": "user", "content": [
-                {"type": "text", "text": f"What is it? ({tag}-{number})"},
-                {"type": "image_url", "image_url": {"url": data_uri}}]}])
+            # A new prompt each time: the describe step's answer cache would
+            # otherwise hide the LLM's latency.
+            prompt = json.dumps(f"What is it? ({tag}-{number})", ensure_ascii=False).encode()
+            await client.post("/chat/completions", cast_to=ChatCompletion, content=head + prompt + tail)
 
-        def counts():
-            return {"attempts": seen["attempts"], "rejected": seen["rejected"],
-                    "no_answer": seen["attempts"] - seen["answers"]}
-        return request, counts, client.close
+        return request, counting.counts, client.close
     return make
+
+
+def chat_body_around_prompt(image):
+    """(head, tail): the JSON body of a chat completion asking about `image`
+    (a data URI) with a prompt, encoded as the openai SDK encodes it
+    (compact, UTF-8), less the prompt's JSON string between head and tail."""
+    data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
+    marker = "\x00prompt\x00"
+    body = json.dumps({"model": ENSEMBLE, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": marker}, {"type": "image_url", "image_url": {"url": data_uri}}]}]},
+        ensure_ascii=False, separators=(",", ":")).encode()
+    head, tail = body.split(json.dumps(marker, ensure_ascii=False).encode())
+    return head, tail
+
+
+class CountingTransport(httpx2.AsyncBaseTransport):
+    """Every attempt sent through `inner`, and how each ended: answered (503:
+    refused) or not answered at all (by exception name)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.attempts, self.rejected = 0, 0
+        self.no_answer = collections.Counter()
+
+    async def handle_async_request(self, request):
+        self.attempts += 1
+        try:
+            response = await self.inner.handle_async_request(request)
+        except Exception as error:
+            self.no_answer[type(error).__name__] += 1
+            raise
+        self.rejected += response.status_code == 503
+        return response
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+    def counts(self):
+        return {"attempts": self.attempts, "rejected": self.rejected,
+                "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer)}
 
 
 def main(argv=None):

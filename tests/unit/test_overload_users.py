@@ -2,6 +2,7 @@
 counts, and that it runs, as the C generator does, at the lowest CPU priority."""
 
 import asyncio
+import base64
 import json
 import os
 import pathlib
@@ -70,7 +71,7 @@ def test_the_sdks_hidden_attempts_are_counted_refusals_and_no_answers_apart():
 
     answered, lost, counts = sdk_phase(handler)
     assert (answered, lost) == (2, [])
-    assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1}
+    assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1}}
     assert attempts[0] == attempts[1] == attempts[2] != attempts[3]  # the SDK resent request 0 itself
 
 
@@ -80,7 +81,50 @@ def test_a_request_refused_past_the_sdks_retries_is_lost_and_each_refusal_counte
 
     answered, lost, counts = sdk_phase(handler, retries=1)
     assert answered == 0 and lost == ["InternalServerError", "InternalServerError"]
-    assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0}
+    assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {}}
+
+
+def test_each_request_is_the_body_and_headers_chat_completions_create_sends():
+    """The generator encodes the photo once; the front must see the very bytes
+    and headers the SDK's own create() sends for the same prompt and photo."""
+    sent = []
+
+    def handler(request):
+        sent.append(request)
+        return httpx2.Response(200, json=ANSWER)
+
+    photo = bytes(range(256)) * 3  # every byte value: the base64 and JSON escaping are exercised
+    make = overload_users.openai_sdk("http://front.invalid/v1", photo, timeout_s=5, retries=0,
+                                     transport=httpx2.MockTransport(handler))
+
+    async def ours():
+        request, _, close = make(1)
+        await request(7)
+        await close()
+    asyncio.run(ours())
+    prompt = json.loads(sent[0].content)["messages"][0]["content"][0]["text"]
+    assert prompt.startswith("What is it? (") and prompt.endswith("-7)")
+
+    async def sdks():
+        import openai
+        client = openai.AsyncOpenAI(base_url="http://front.invalid/v1", api_key="sk-overload-unused", max_retries=0, timeout=5,
+                                    http_client=openai.DefaultAsyncHttpxClient(transport=httpx2.MockTransport(handler)))
+        await client.chat.completions.create(model=overload.ENSEMBLE, messages=[{"role": "user", "content": [
+            {"type": "text", "text": prompt},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(photo).decode()}}]}])
+        await client.close()
+    asyncio.run(sdks())
+    ours_sent, sdks_sent = sent
+    assert ours_sent.content == sdks_sent.content
+    assert (ours_sent.method, ours_sent.url) == (sdks_sent.method, sdks_sent.url)
+    assert dict(ours_sent.headers) == dict(sdks_sent.headers)
+
+
+def test_a_prompt_that_needs_escaping_is_still_valid_json():
+    head, tail = overload_users.chat_body_around_prompt(b"photo")
+    prompt = 'a "quoted" \\ prompt, \u00e9t\u00e9'
+    body = json.loads(head + json.dumps(prompt, ensure_ascii=False).encode() + tail)
+    assert body["messages"][0]["content"][0]["text"] == prompt and body["model"] == overload.ENSEMBLE
 
 
 @pytest.mark.parametrize("nice, prefix", [(19, ["nice", "-n", "19"]), (0, [])])
