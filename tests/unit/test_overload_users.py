@@ -34,6 +34,24 @@ def test_a_user_counts_answers_and_losses_and_not_what_the_phase_end_cancels():
     assert len(answered) == 3 and lost == ["RuntimeError: refused for good"]
 
 
+def test_only_the_answers_that_end_within_the_window_count():
+    """A generator short of CPU wakes from its phase's sleep late: an answer
+    that ends after the window is not the window's. On a fake clock each
+    request takes 0.02 s: answers end at 0.02, 0.04, 0.06 of a 0.05 s window;
+    request 3 fails after it (every loss counts), 4 never ends."""
+    now = [0.0]
+
+    async def request(number):
+        now[0] += 0.02
+        if number == 3:
+            raise RuntimeError("refused for good")
+        if number >= 4:
+            await asyncio.Event().wait()
+
+    answered, lost = asyncio.run(overload_users.users_phase(request, users=1, seconds=0.05, clock=lambda: now[0]))
+    assert answered == pytest.approx([0.02, 0.02]) and lost == ["RuntimeError: refused for good"]
+
+
 def sdk_phase(handler, retries=3):
     """overload_users.openai_sdk driven by one user through an httpx2 mock
     transport: -> (answered, lost, counts) of requests 0 and 1 only."""
