@@ -111,7 +111,8 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None):
     """The openai SDK against the front: its own retries, which honour
     Retry-After. One AsyncOpenAI (one connection pool, sized for the users)
     for all users. Counts every attempt the SDK makes (its retries are
-    invisible to the caller): "attempts", "rejected" (503 answers: the
+    invisible to the caller): "attempts" (those still in flight when the
+    phase ends included), "rejected" (503 answers: the
     front's refusals) and "no_answer" (attempts that got no answer at all,
     e.g. a connection closed while the SDK still wrote its body; the SDK
     retries those with its own back-off, not the front's Retry-After), with
