@@ -20,8 +20,12 @@ saturation's (goodput), answer latency, refusals, lost (any other error, or
 no answer within `--timeout-s`), and the load generator's CPU. The C users
 (tools/overload_client.c, compiled here with `cc -O2`; one epoll thread, one
 keep-alive connection per user) report per attempt; the Python clients' users
-report per request, retries included, and are cancelled at the phase's end
-(neither answered nor lost). Between phases Triton's backlog drains.
+(tools/overload_users.py, one client shared by all users in a process of
+its own) report per request, retries included, and are cancelled at the
+phase's end (neither answered nor lost). Both generators run at niceness
+`--generator-nice` (19: they stand for clients on other machines and take
+only the CPU the server leaves; each phase reports the CPU they used).
+Between phases Triton's backlog drains.
 
 Verdict (exit 1 if any fails; the targets of issue 23): at the top factor,
 goodput at least 0.8 of saturation for the kinds that follow the documented
@@ -150,17 +154,18 @@ def compile_c_client(workdir):
     return binary
 
 
-def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False):
+def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False, nice=0):
     """One phase driven by tools/overload_client.c (HTTP); the same figures as
     python_phase, rates over the phase's `seconds` (answers that end in the
     drain after it are left out). backoff_base_s 0: users resend at once.
-    openai: to the OpenAI front's chat completions (http_url its host:port)."""
+    openai: to the OpenAI front's chat completions (http_url its host:port).
+    nice: the generator's niceness (generator_argv)."""
     host_name, port = http_url.rsplit(":", 1)
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
         started, cpu_before = time.monotonic(), children_cpu_s()
-        subprocess.run([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
-                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path), out.name,
-                        *(["openai"] if openai else [])],
+        subprocess.run(generator_argv([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
+                                       str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path),
+                                       out.name, *(["openai"] if openai else [])], nice),
                        check=True, timeout=seconds + timeout_s + 60)
         elapsed = time.monotonic() - started
         admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds)
@@ -171,100 +176,26 @@ def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_bas
     return figures
 
 
-async def users_phase(request, users, seconds):
-    """Closed-loop users of a Python client: each sends `request(number)` (which
-    retries as that client does), waits for it and sends the next, for
-    `seconds`; then every unfinished request is cancelled (neither answered
-    nor lost). -> (answer latencies, lost reasons), only what ended in time."""
-    answered, lost = [], []
-    numbers = itertools.count()
-
-    async def user():
-        while True:
-            started = time.monotonic()
-            try:
-                await request(next(numbers))
-                answered.append(time.monotonic() - started)
-            except Exception as error:  # noqa: BLE001 - whatever it is, the request is lost
-                lost.append(f"{type(error).__name__}: {str(error)[:160]}")
-
-    tasks = [asyncio.ensure_future(user()) for _ in range(users)]
-    await asyncio.sleep(seconds)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return answered, lost
+def generator_argv(argv, nice):
+    """A load generator's command line, run at niceness `nice` (19: the
+    lowest priority). The generators stand for clients on other machines; on
+    one host with the server they take only the CPU the server leaves, and
+    each phase reports the CPU they still used."""
+    return ["nice", "-n", str(nice), *argv] if nice else list(argv)
 
 
-def python_kind_phase(make_request, users, seconds):
-    """users_phase in a new event loop; `make_request()` -> (request, refusals
-    counter, close). Figures as c_phase's; latencies include the retries."""
-    async def main():
-        request, refusals, close = make_request(users)
-        try:
-            answered, lost = await users_phase(request, users, seconds)
-        finally:
-            await close()
-        return answered, lost, refusals()
-
-    cpu_before = time.process_time()
-    answered, lost, refused = asyncio.run(main())
-    figures = summary(users, seconds, answered, [], lost)
-    figures["rejected"] = refused  # resends seen by the client; their latency is inside the answers'
-    figures["load_generator_cpu_share"] = round((time.process_time() - cpu_before) / seconds, 3)
-    return figures
-
-
-def project_client(url, protocol, image, args):
-    """classify_describe.AsyncClient with its documented policy: retries with
-    back-off and full jitter (README "Overload")."""
-    from classify_describe import AsyncClient
-
-    def make(users):
-        client = AsyncClient(url, protocol, concurrency=users, timeout_s=args.timeout_s,
-                             retries=args.client_retries, retry_backoff_s=args.backoff_s)
-        tag = f"{random.getrandbits(32):08x}"
-
-        async def request(number):
-            await client.infer(image, prompt=f"What is it? ({tag}-{number})")
-
-        async def close():
-            await client.close()
-        return request, (lambda: client.retried), close
-    return make
-
-
-def openai_sdk(base_url, image, args):
-    """The openai SDK against the front: its own retries, which honour Retry-After."""
-    import base64
-
-    import httpx2
-    import openai
-
-    data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
-
-    def make(users):
-        refused = [0]
-
-        async def count(response):
-            refused[0] += response.status_code == 503
-
-        http_client = openai.DefaultAsyncHttpxClient(
-            limits=httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8),
-            event_hooks={"response": [count]})
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", http_client=http_client,
-                                    max_retries=args.client_retries, timeout=args.timeout_s)
-        tag = f"{random.getrandbits(32):08x}"
-
-        async def request(number):
-            await client.chat.completions.create(model=ENSEMBLE, messages=[{"role": "user", "content": [
-                {"type": "text", "text": f"What is it? ({tag}-{number})"},
-                {"type": "image_url", "image_url": {"url": data_uri}}]}])
-
-        async def close():
-            await client.close()
-        return request, (lambda: refused[0]), close
-    return make
+def python_phase_of(client, url, image_path, args):
+    """drive(users, seconds) for a Python client's users (tools/overload_users.py:
+    one client shared by all users, in a process of its own at
+    --generator-nice); its figures as c_phase's, latencies including retries."""
+    def drive(users, seconds):
+        argv = [sys.executable, "-m", "tools.overload_users", client, url, str(image_path), str(users),
+                str(seconds), "--timeout-s", str(args.timeout_s), "--retries", str(args.client_retries),
+                "--backoff-s", str(args.backoff_s)]
+        done = subprocess.run(generator_argv(argv, args.generator_nice), cwd=REPO, check=True,
+                              stdout=subprocess.PIPE, text=True, timeout=seconds + args.timeout_s + 120)
+        return json.loads(done.stdout)
+    return drive
 
 
 def children_cpu_s():
@@ -315,7 +246,6 @@ class Stack:
     def __init__(self, grpc_url, http_url, openai_base_url, proxy, binary, image_path):
         self.grpc_url, self.http_url, self.openai_base_url = grpc_url, http_url, openai_base_url
         self.proxy, self.proxy_url, self.binary, self.image_path = proxy, proxy.url, binary, image_path
-        self.image = pathlib.Path(image_path).read_bytes()
 
     metrics_url = None  # Triton's metrics endpoint, when we started the server
 
@@ -336,18 +266,18 @@ class Stack:
         """drive(users, seconds) -> a phase's figures, for one client kind."""
         def c(url, backoff, openai=False):
             return lambda users, seconds: c_phase(self.binary, url, self.image_path, users, seconds,
-                                                  args.timeout_s, backoff, openai)
+                                                  args.timeout_s, backoff, openai, nice=args.generator_nice)
 
-        def py(make):
-            return lambda users, seconds: python_kind_phase(make, users, seconds)
+        def py(client, url):
+            return lambda: python_phase_of(client, url, self.image_path, args)
 
         return {
             "resend-bare": lambda: c(self.http_url, 0),
             "resend-proxy": lambda: c(self.proxy_url, 0),
             "backoff-bare": lambda: c(self.http_url, args.backoff_s),
-            "client-grpc": lambda: py(project_client(self.grpc_url, "grpc", self.image, args)),
-            "client-http-proxy": lambda: py(project_client(self.proxy_url, "http", self.image, args)),
-            "openai-front": lambda: py(openai_sdk(self.openai_base_url, self.image, args)),
+            "client-grpc": py("grpc", self.grpc_url),
+            "client-http-proxy": py("http", self.proxy_url),
+            "openai-front": py("openai", self.openai_base_url),
             "backoff-front": lambda: c(self.openai_base_url.split("//", 1)[1].split("/", 1)[0], args.backoff_s,
                                        openai=True),
         }[kind]()
@@ -470,6 +400,9 @@ def parse_args(argv):
     parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
     parser.add_argument("--client-retries", type=int, default=50,
                         help="the Python clients' retries (the project client's retries=, the SDK's max_retries)")
+    parser.add_argument("--generator-nice", type=int, default=19,
+                        help="niceness of the load generators, C and Python (default 19, the lowest priority: "
+                             "they take the CPU the server leaves; 0: as the runs before this option)")
     parser.add_argument("--proxy-max-in-flight", type=int, default=128,
                         help="TRITON_MAX_IN_FLIGHT of the shedding proxy (deploy/nginx)")
     parser.add_argument("--max-p99-ratio", type=float, default=3.0)

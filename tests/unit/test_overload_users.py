@@ -1,0 +1,214 @@
+"""tools/overload.py's Python load generator (tools/overload_users.py): what it
+counts, and that it runs, as the C generator does, at the lowest CPU priority."""
+
+import asyncio
+import base64
+import json
+import os
+import pathlib
+import shutil
+import threading
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx2
+import pytest
+
+from tools import overload, overload_users
+
+ANSWER = {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": overload.ENSEMBLE,
+          "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "a cup"}}]}
+
+
+def test_a_user_counts_answers_and_losses_and_not_what_the_phase_end_cancels():
+    """One user: requests 0-2 answered, 3 fails (lost), 4 never ends (cancelled
+    at the phase's end: neither). No request awaits anything before 4, so the
+    outcome does not depend on the phase's length."""
+    async def request(number):
+        if number == 3:
+            raise RuntimeError("refused for good")
+        if number >= 4:
+            await asyncio.Event().wait()
+
+    answered, lost = asyncio.run(overload_users.users_phase(request, users=1, seconds=0.05))
+    assert len(answered) == 3 and lost == ["RuntimeError: refused for good"]
+
+
+def test_only_the_answers_that_end_within_the_window_count():
+    """A generator short of CPU wakes from its phase's sleep late: an answer
+    that ends after the window is not the window's. On a fake clock each
+    request takes 0.02 s: answers end at 0.02, 0.04, 0.06 of a 0.05 s window;
+    request 3 fails after it (every loss counts), 4 never ends."""
+    now = [0.0]
+
+    async def request(number):
+        now[0] += 0.02
+        if number == 3:
+            raise RuntimeError("refused for good")
+        if number >= 4:
+            await asyncio.Event().wait()
+
+    answered, lost = asyncio.run(overload_users.users_phase(request, users=1, seconds=0.05, clock=lambda: now[0]))
+    assert answered == pytest.approx([0.02, 0.02]) and lost == ["RuntimeError: refused for good"]
+
+
+def sdk_phase(handler, retries=3):
+    """overload_users.openai_sdk driven by one user through an httpx2 mock
+    transport: -> (answered, lost, counts) of requests 0 and 1 only."""
+    make = overload_users.openai_sdk("http://front.invalid/v1", b"photo", timeout_s=5, retries=retries,
+                                     transport=httpx2.MockTransport(handler))
+
+    async def main():
+        request, counts, close = make(1)
+        answered, lost = 0, []
+        for number in range(2):
+            try:
+                await request(number)
+                answered += 1
+            except Exception as error:  # noqa: BLE001 - as users_phase: the request is lost
+                lost.append(type(error).__name__)
+        await close()
+        return answered, lost, counts()
+    return asyncio.run(main())
+
+
+def test_the_sdks_hidden_attempts_are_counted_refusals_and_no_answers_apart():
+    """Request 0: refused (503 + Retry-After), then no answer (the connection
+    closed under the body), then answered; request 1 answered at once. The
+    SDK retried twice without the caller seeing it: 4 attempts, 1 refusal, 1
+    attempt without an answer."""
+    attempts = []
+
+    def handler(request):
+        attempts.append(json.loads(request.content)["messages"][0]["content"][0]["text"])
+        if len(attempts) == 1:
+            return httpx2.Response(503, headers={"Retry-After": "0.01"}, json={"error": {"message": "busy"}})
+        if len(attempts) == 2:
+            raise httpx2.WriteError("connection closed while writing", request=request)
+        return httpx2.Response(200, json=ANSWER)
+
+    answered, lost, counts = sdk_phase(handler)
+    assert (answered, lost) == (2, [])
+    assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1}}
+    assert attempts[0] == attempts[1] == attempts[2] != attempts[3]  # the SDK resent request 0 itself
+
+
+def test_a_request_refused_past_the_sdks_retries_is_lost_and_each_refusal_counted():
+    def handler(request):
+        return httpx2.Response(503, headers={"Retry-After": "0.01"}, json={"error": {"message": "busy"}})
+
+    answered, lost, counts = sdk_phase(handler, retries=1)
+    assert answered == 0 and lost == ["InternalServerError", "InternalServerError"]
+    assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {}}
+
+
+def test_each_request_is_the_body_and_headers_chat_completions_create_sends():
+    """The generator encodes the photo once; the front must see the very bytes
+    and headers the SDK's own create() sends for the same prompt and photo."""
+    sent = []
+
+    def handler(request):
+        sent.append(request)
+        return httpx2.Response(200, json=ANSWER)
+
+    photo = bytes(range(256)) * 3  # every byte value: the base64 and JSON escaping are exercised
+    make = overload_users.openai_sdk("http://front.invalid/v1", photo, timeout_s=5, retries=0,
+                                     transport=httpx2.MockTransport(handler))
+
+    async def ours():
+        request, _, close = make(1)
+        await request(7)
+        await close()
+    asyncio.run(ours())
+    prompt = json.loads(sent[0].content)["messages"][0]["content"][0]["text"]
+    assert prompt.startswith("What is it? (") and prompt.endswith("-7)")
+
+    async def sdks():
+        import openai
+        client = openai.AsyncOpenAI(base_url="http://front.invalid/v1", api_key="sk-overload-unused", max_retries=0, timeout=5,
+                                    http_client=openai.DefaultAsyncHttpxClient(transport=httpx2.MockTransport(handler)))
+        await client.chat.completions.create(model=overload.ENSEMBLE, messages=[{"role": "user", "content": [
+            {"type": "text", "text": prompt},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(photo).decode()}}]}])
+        await client.close()
+    asyncio.run(sdks())
+    ours_sent, sdks_sent = sent
+    assert ours_sent.content == sdks_sent.content
+    assert (ours_sent.method, ours_sent.url) == (sdks_sent.method, sdks_sent.url)
+    assert dict(ours_sent.headers) == dict(sdks_sent.headers)
+
+
+def test_a_prompt_that_needs_escaping_is_still_valid_json():
+    head, tail = overload_users.chat_body_around_prompt(b"photo")
+    prompt = 'a "quoted" \\ prompt, \u00e9t\u00e9'
+    body = json.loads(head + json.dumps(prompt, ensure_ascii=False).encode() + tail)
+    assert body["messages"][0]["content"][0]["text"] == prompt and body["model"] == overload.ENSEMBLE
+
+
+@pytest.mark.parametrize("nice, prefix", [(19, ["nice", "-n", "19"]), (0, [])])
+def test_a_generator_runs_at_the_niceness_asked(nice, prefix):
+    assert overload.generator_argv(["gen", "a"], nice) == [*prefix, "gen", "a"]
+
+
+class StandInFront(BaseHTTPRequestHandler):
+    """The OpenAI front's chat completions, answering every request; records the
+    niceness of the process that sent it (the test process's child)."""
+
+    protocol_version = "HTTP/1.1"
+    nices = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.nices.append(children_nices())
+        answer = json.dumps(ANSWER).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(answer)))
+        self.end_headers()
+        self.wfile.write(answer)
+
+    def log_message(self, *args):
+        pass
+
+
+def children_nices():
+    """{niceness} of this process's children (Linux /proc)."""
+    nices = set()
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == os.getpid():  # fields[1]: the parent's pid
+            nices.add(int(fields[16]))     # fields[16]: the niceness
+    return nices
+
+
+@pytest.fixture
+def front():
+    StandInFront.nices = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInFront)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_python_users_run_in_their_own_process_at_the_lowest_priority(front, tmp_path):
+    (tmp_path / "photo").write_bytes(b"photo")
+    args = types.SimpleNamespace(timeout_s=5, client_retries=2, backoff_s=0.5, generator_nice=19)
+    figures = overload.python_phase_of("openai", f"http://{front}/v1", tmp_path / "photo", args)(1, 1.0)
+    assert figures["load_generator_nice"] == 19 and figures["users"] == 1
+    assert figures["admitted"] >= 1 and figures["lost"] == 0 and figures["rejected"] == 0
+    assert figures["attempts"] >= figures["admitted"] and figures["no_answer"] == 0
+    assert StandInFront.nices and all(nices == {19} for nices in StandInFront.nices)
+    assert figures["load_generator_cpu_share"] >= 0
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_the_c_users_run_at_the_lowest_priority(front, tmp_path):
+    (tmp_path / "photo").write_bytes(b"photo")
+    figures = overload.c_phase(overload.compile_c_client(tmp_path), front, tmp_path / "photo", users=1,
+                               seconds=1.0, timeout_s=5, backoff_base_s=0.01, openai=True, nice=19)
+    assert figures["admitted"] >= 1 and figures["lost"] == 0
+    assert StandInFront.nices and all(nices == {19} for nices in StandInFront.nices)

@@ -1,0 +1,211 @@
+"""The Python clients' users for `make overload` (tools/overload.py), in a
+process of their own so that tools/overload.py can run it at the lowest CPU
+priority (`nice -n 19`): the load generator stands for clients on other
+machines, and on a shared 2-core host it should take only the CPU the server
+leaves. Prints the phase's figures (JSON) on stdout.
+
+    python -m tools.overload_users {grpc,http,openai} URL IMAGE USERS SECONDS
+        [--timeout-s S] [--retries N] [--backoff-s S]
+
+grpc, http: classify_describe.AsyncClient(retries=N) to Triton (URL host:port);
+openai: the openai SDK (max_retries=N) to the OpenAI front (URL .../v1). One
+client per process, shared by every user, as one application serving many
+users holds one.
+"""
+
+import argparse
+import asyncio
+import base64
+import collections
+import itertools
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+import httpx2
+
+from tools.overload import ENSEMBLE, summary
+
+
+async def users_phase(request, users, seconds, clock=time.monotonic):
+    """Closed-loop users of a Python client: each sends `request(number)` (which
+    retries as that client does), waits for it and sends the next, for
+    `seconds`; then every unfinished request is cancelled (neither answered
+    nor lost). -> (answer latencies, lost reasons): the answers that ended
+    within `seconds` of the start (a generator short of CPU wakes up late
+    from its sleep, and answers after the window are not the window's), and
+    every loss, as the C generator counts them."""
+    answered, lost = [], []
+    numbers = itertools.count()
+    window_end = clock() + seconds
+
+    async def user():
+        while True:
+            started = clock()
+            try:
+                await request(next(numbers))
+            except Exception as error:  # noqa: BLE001 - whatever it is, the request is lost
+                lost.append(f"{type(error).__name__}: {str(error)[:160]}")
+                continue
+            ended = clock()
+            if ended <= window_end:
+                answered.append(ended - started)
+
+    tasks = [asyncio.ensure_future(user()) for _ in range(users)]
+    await asyncio.sleep(seconds)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return answered, lost
+
+
+def python_kind_phase(make_request, users, seconds):
+    """users_phase in a new event loop; `make_request(users)` -> (request,
+    counts, close), counts() a dict of what the client saw (at least
+    "rejected": its resends after a refusal). Figures as tools/overload.py's
+    c_phase; latencies include the retries. The CPU is this process's during
+    the phase (the imports and the client's construction before it are not
+    counted: a running application has done them once)."""
+    async def main():
+        request, counts, close = make_request(users)
+        cpu_before, started = time.process_time(), time.monotonic()
+        try:
+            answered, lost = await users_phase(request, users, seconds)
+        finally:
+            await close()
+        return answered, lost, counts(), time.process_time() - cpu_before, time.monotonic() - started
+
+    answered, lost, counts, cpu_s, elapsed_s = asyncio.run(main())
+    figures = summary(users, seconds, answered, [], lost)
+    figures.update(counts)  # "rejected": resends seen by the client; their latency is inside the answers'
+    # Over the phase as it lasted (a generator short of CPU ends late), as c_phase.
+    figures["load_generator_cpu_share"] = round(cpu_s / elapsed_s, 3)
+    # A fact read from the process, not the setting: what the scheduler gave it.
+    figures["load_generator_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
+    return figures
+
+
+def project_client(url, protocol, image, timeout_s, retries, backoff_s):
+    """classify_describe.AsyncClient with its documented policy: retries with
+    back-off and full jitter (README "Overload"); one client for all users."""
+    from classify_describe import AsyncClient
+
+    def make(users):
+        client = AsyncClient(url, protocol, concurrency=users, timeout_s=timeout_s,
+                             retries=retries, retry_backoff_s=backoff_s)
+        tag = f"{random.getrandbits(32):08x}"
+
+        async def request(number):
+            # A new prompt each time: the describe step's answer cache would
+            # otherwise hide the LLM's latency.
+            await client.infer(image, prompt=f"What is it? ({tag}-{number})")
+
+        return request, (lambda: {"rejected": client.retried}), client.close
+    return make
+
+
+def openai_sdk(base_url, image, timeout_s, retries, transport=None):
+    """The openai SDK against the front: its own retries, which honour
+    Retry-After. One AsyncOpenAI (one connection pool, sized for the users)
+    for all users. Counts every attempt the SDK makes (its retries are
+    invisible to the caller): "attempts" (those still in flight when the
+    phase ends included), "rejected" (503 answers: the
+    front's refusals) and "no_answer" (attempts that got no answer at all,
+    e.g. a connection closed while the SDK still wrote its body; the SDK
+    retries those with its own back-off, not the front's Retry-After), with
+    "no_answer_reasons" (exception name -> count). `transport`: the one under
+    the count, for tests (default: httpx's own, pooled for the users).
+
+    Each request is the very body `chat.completions.create` would send (the
+    same bytes; tests/unit/test_overload_users.py), but encoded once: create
+    JSON-encodes its 622 KB data URI again on every attempt (about half of
+    what an attempt costs the client), which the clients this generator
+    stands for would pay on their own machines. Sent with the SDK's own
+    `post`, so its retries and response parsing are create's."""
+    import openai
+    from openai.types.chat import ChatCompletion
+
+    head, tail = chat_body_around_prompt(image)
+
+    def make(users):
+        limits = httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
+        counting = CountingTransport(transport or httpx2.AsyncHTTPTransport(limits=limits))
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", max_retries=retries,
+                                    timeout=timeout_s, http_client=openai.DefaultAsyncHttpxClient(transport=counting))
+        tag = f"{random.getrandbits(32):08x}"
+
+        async def request(number):
+            # A new prompt each time: the describe step's answer cache would
+            # otherwise hide the LLM's latency.
+            prompt = json.dumps(f"What is it? ({tag}-{number})", ensure_ascii=False).encode()
+            await client.post("/chat/completions", cast_to=ChatCompletion, content=head + prompt + tail)
+
+        return request, counting.counts, client.close
+    return make
+
+
+def chat_body_around_prompt(image):
+    """(head, tail): the JSON body of a chat completion asking about `image`
+    (a data URI) with a prompt, encoded as the openai SDK encodes it
+    (compact, UTF-8), less the prompt's JSON string between head and tail."""
+    data_uri = "data:image/png;base64," + base64.b64encode(image).decode()
+    marker = "\x00prompt\x00"
+    body = json.dumps({"model": ENSEMBLE, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": marker}, {"type": "image_url", "image_url": {"url": data_uri}}]}]},
+        ensure_ascii=False, separators=(",", ":")).encode()
+    head, tail = body.split(json.dumps(marker, ensure_ascii=False).encode())
+    return head, tail
+
+
+class CountingTransport(httpx2.AsyncBaseTransport):
+    """Every attempt sent through `inner`, and how each ended: answered (503:
+    refused) or not answered at all (by exception name)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.attempts, self.rejected = 0, 0
+        self.no_answer = collections.Counter()
+
+    async def handle_async_request(self, request):
+        self.attempts += 1
+        try:
+            response = await self.inner.handle_async_request(request)
+        except Exception as error:
+            self.no_answer[type(error).__name__] += 1
+            raise
+        self.rejected += response.status_code == 503
+        return response
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+    def counts(self):
+        return {"attempts": self.attempts, "rejected": self.rejected,
+                "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("client", choices=("grpc", "http", "openai"))
+    parser.add_argument("url")
+    parser.add_argument("image", type=pathlib.Path)
+    parser.add_argument("users", type=int)
+    parser.add_argument("seconds", type=float)
+    parser.add_argument("--timeout-s", type=float, default=60)
+    parser.add_argument("--retries", type=int, default=50)
+    parser.add_argument("--backoff-s", type=float, default=0.5)
+    args = parser.parse_args(argv)
+    image = args.image.read_bytes()  # once: every user sends the same photo
+    if args.client == "openai":
+        make = openai_sdk(args.url, image, args.timeout_s, args.retries)
+    else:
+        make = project_client(args.url, args.client, image, args.timeout_s, args.retries, args.backoff_s)
+    print(json.dumps(python_kind_phase(make, args.users, args.seconds)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
