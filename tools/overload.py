@@ -23,8 +23,8 @@ keep-alive connection per user) report per attempt; the Python clients' users
 (tools/overload_users.py, one client shared by all users in a process of
 its own) report per request, retries included, and are cancelled at the
 phase's end (neither answered nor lost). Both generators run at niceness
-`--generator-nice` (19: they stand for clients on other machines and take
-only the CPU the server leaves; each phase reports the CPU they used).
+`--generator-nice` (default 0, the server's; 19 starved the Python ones behind
+a saturated server); each phase reports the CPU they used.
 Between phases Triton's backlog drains.
 
 Verdict (exit 1 if any fails; the targets of issue 23): at the top factor,
@@ -400,9 +400,9 @@ def parse_args(argv):
     parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
     parser.add_argument("--client-retries", type=int, default=50,
                         help="the Python clients' retries (the project client's retries=, the SDK's max_retries)")
-    parser.add_argument("--generator-nice", type=int, default=19,
-                        help="niceness of the load generators, C and Python (default 19, the lowest priority: "
-                             "they take the CPU the server leaves; 0: as the runs before this option)")
+    parser.add_argument("--generator-nice", type=int, default=0,
+                        help="niceness of the load generators, C and Python (default 0; 19, the lowest priority, "
+                             "starved the Python generators behind a saturated server: docs/reliability.md#overload)")
     parser.add_argument("--proxy-max-in-flight", type=int, default=128,
                         help="TRITON_MAX_IN_FLIGHT of the shedding proxy (deploy/nginx)")
     parser.add_argument("--max-p99-ratio", type=float, default=3.0)
