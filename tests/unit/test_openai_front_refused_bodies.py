@@ -8,7 +8,6 @@ users connecting at once, each refused, none reset."""
 
 import asyncio
 import json
-import pathlib
 import shutil
 import socket
 import threading
@@ -16,6 +15,7 @@ import time
 
 import pytest
 from aiohttp import web
+from raw_http import read_answer, somaxconn
 from test_openai_front import StalledPool, body, front_with
 from test_openai_front_hostile import serving
 
@@ -30,23 +30,6 @@ def head(length=None, chunked=False):
     framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % length
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + framing + b"\r\n\r\n")
-
-
-def read_answer(sock):
-    """One HTTP answer (headers, Content-Length body) -> (status, headers, body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a whole answer: {data[:200]!r}"
-        data += chunk
-    headers, rest = data.split(b"\r\n\r\n", 1)
-    length = int(next(line for line in headers.split(b"\r\n") if line.lower().startswith(b"content-length:"))
-                 .split(b":")[1])
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "closed in the middle of an answer"
-        rest += chunk
-    return int(headers.split()[1]), headers, rest[:length]
 
 
 def refused_then_again(port, payload, pieces=4, pause_s=0.5):
@@ -162,13 +145,6 @@ def test_a_refused_chunked_body_without_end_is_cut_after_the_largest_body():
 
     sent = asyncio.run(main())
     assert sent is not None and sent < 64 * 1024 * 1024, sent
-
-
-def somaxconn():
-    try:
-        return int(pathlib.Path("/proc/sys/net/core/somaxconn").read_text())
-    except OSError:
-        return 0
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")

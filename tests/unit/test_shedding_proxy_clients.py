@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+from raw_http import read_answer, somaxconn
 
 from tools import nginx, overload
 
@@ -38,23 +39,6 @@ class Probes(http.server.BaseHTTPRequestHandler):
 def infer_head(length):
     return (b"POST /v2/models/classify_and_describe/infer HTTP/1.1\r\nHost: x\r\n"
             b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % length)
-
-
-def read_answer(sock):
-    """One HTTP answer -> (status, headers, body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a whole answer: {data[:200]!r}"
-        data += chunk
-    headers, rest = data.split(b"\r\n\r\n", 1)
-    length = int(next(line for line in headers.split(b"\r\n") if line.lower().startswith(b"content-length:"))
-                 .split(b":")[1])
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "closed in the middle of an answer"
-        rest += chunk
-    return int(headers.split()[1]), headers, rest[:length]
 
 
 @pytest.fixture
@@ -99,13 +83,6 @@ def test_a_refused_client_sending_its_body_slowly_gets_its_503_and_keeps_its_con
         again, _, _ = read_answer(sock)
     assert status == 503 and b"Retry-After: 1" in headers and "in-flight limit" in json.loads(answer)["error"]
     assert again == 200, "the refused client's connection served its next request"
-
-
-def somaxconn():
-    try:
-        return int(pathlib.Path("/proc/sys/net/core/somaxconn").read_text())
-    except OSError:
-        return 0
 
 
 @pytest.mark.skipif(somaxconn() < 2560, reason="net.core.somaxconn caps the listen backlog below 2,560 here")
