@@ -136,8 +136,9 @@ def test_the_service_gets_the_model_repositorys_settings(tmp_path):
         bentoml_baseline.job(repository, "no_batching")
 
 
-def test_the_committed_report_keeps_its_row_without_the_section():
-    results = report.load(REPO / "docs/results/bench.json")  # a run from before the section
+def test_a_results_file_from_before_the_section_keeps_its_row():
+    results = report.load(FIXTURE)  # a smoke run's file, written before the section existed
+    results.get("sections", {}).pop("bentoml", None)
     row = next(r for r in report.targets(results) if r.name.startswith("ensemble / a BentoML service"))
     assert row.measured is None and row.detail == "not measured: tools/bench has no BentoML service of the job yet"
 

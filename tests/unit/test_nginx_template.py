@@ -3,7 +3,6 @@ official nginx image's envsubst does it. The proxy itself, running:
 tests/integration/test_shedding_proxy.py. The config around it (and around
 `make rehearse`'s load balancer): tools/nginx.nginx_conf, checked by `nginx -t`."""
 
-import pathlib
 import subprocess
 
 import pytest
@@ -27,19 +26,10 @@ def test_a_variable_without_a_value_is_an_error_not_an_empty_string():
         nginx.render(nginx.SHED_TEMPLATE.read_text(), {k: v for k, v in VALUES.items() if k != "TRITON_MAX_IN_FLIGHT"})
 
 
-def installed_nginx():
-    """nginx if it is already there (system or build/nginx); the test never unpacks it."""
-    import shutil
-
-    found = shutil.which("nginx") or (nginx.REPO / "build/nginx/usr/sbin/nginx")
-    return found if found and pathlib.Path(found).exists() else None
-
-
-@pytest.mark.skipif(installed_nginx() is None, reason="no nginx here (make build unpacks it)")
 def test_the_shedding_proxys_and_the_rehearsals_configs_share_one_head_and_nginx_takes_both(tmp_path):
     from tools import rehearse_scaling
 
-    binary = installed_nginx()
+    binary = nginx.find_or_unpack()  # Debian's package unpacked into build/ where none is installed
     shed = nginx.ShedProxy(tmp_path / "shed", "127.0.0.1:8000", 128)  # writes its config, starts nothing
     check = subprocess.run(shed.argv("-t"), capture_output=True, text=True)
     assert check.returncode == 0, check.stderr

@@ -172,14 +172,16 @@ class StandInFront(BaseHTTPRequestHandler):
 
 
 def children_nices():
-    """{niceness} of this process's children (Linux /proc)."""
+    """{niceness} of this process's load-generator children (Linux /proc): the C client or
+    tools.overload_users; other children of a whole-suite run (a session's servers) are not theirs."""
     nices = set()
     for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue  # gone meanwhile
-        if int(fields[1]) == os.getpid():  # fields[1]: the parent's pid
+        if int(fields[1]) == os.getpid() and b"overload" in command:  # fields[1]: the parent's pid
             nices.add(int(fields[16]))     # fields[16]: the niceness
     return nices
 
