@@ -12,6 +12,6 @@ Many photos, N in flight, each file read only as its request is sent:
             ...  # a Result, or that image's TritonRequestError (see .retryable)
 """
 
-from classify_describe.client import AsyncClient, Client, Result, StreamEvent, TritonRequestError
+from classify_describe.client import AsyncClient, Client, Result, StreamEvent, Throttled, TritonRequestError
 
-__all__ = ["AsyncClient", "Client", "Result", "StreamEvent", "TritonRequestError"]
+__all__ = ["AsyncClient", "Client", "Result", "StreamEvent", "Throttled", "TritonRequestError"]

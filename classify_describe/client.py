@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from classify_describe.throttle import AdaptiveThrottle
+
 MODEL_NAME = "classify_and_describe"
 STREAM_MODEL_NAME = "classify_and_describe_stream"
 OUTPUT_NAMES = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")
@@ -41,6 +43,15 @@ class TritonRequestError(RuntimeError):
         super().__init__(message)
         self.retryable = retryable
         self.answered = answered
+
+
+class Throttled(TritonRequestError):
+    """Refused by this client, unsent: the server refused most of what it was
+    sent lately (the client's adaptive throttle, classify_describe/throttle.py)."""
+
+    def __init__(self):
+        super().__init__("refused by this client unsent: the server refused most recent requests "
+                         "(overloaded); retry later", retryable=True)
 
 
 # Retryable: the request got no answer because the connection failed (refused
@@ -88,8 +99,14 @@ def _server_answered(error, module):
 def _resend(error, module):
     # What `retries=N` resends: the retryable errors but a timeout, which the
     # server may still be working on; resending it would pile more work on a
-    # server that is already slow.
-    return _retryable(error, module) and not _timed_out(error, module)
+    # server that is already slow. And what the throttle refused unsent.
+    return isinstance(error, Throttled) or (_retryable(error, module) and not _timed_out(error, module))
+
+
+def _accepted(error, module):
+    # For the throttle: the server answered and did not refuse for overload (a
+    # 400 about the image was accepted work). No answer and UNAVAILABLE were not.
+    return isinstance(error, module.InferenceServerException) and not _retryable(error, module)
 
 
 def _request_error(error, module, timeout_s):
@@ -288,11 +305,31 @@ def _copy(headers):
     return dict(headers) if headers else None
 
 
-class Client:
+class _Throttling:
+    """The clients' adaptive throttle (classify_describe/throttle.py): on by
+    default; `throttle=False` turns it off, an AdaptiveThrottle instance tunes
+    it or shares it between clients of one server."""
+
+    def _init_throttle(self, throttle):
+        self.throttle = AdaptiveThrottle() if throttle is True else (throttle or None)
+        self.throttled = 0  # attempts refused here, unsent
+
+    def _allow(self):
+        if self.throttle is not None and not self.throttle.allow():
+            self.throttled += 1
+            raise Throttled()
+
+    def _accepted(self, error):
+        """After an attempt that was sent: `error` None for an answer."""
+        if self.throttle is not None and (error is None or _accepted(error, self._module)):
+            self.throttle.accepted()
+
+
+class Client(_Throttling):
     """Blocking client. `protocol` is "http" (url host:8000) or "grpc" (host:8001)."""
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None):
+                 timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None, throttle=True):
         """`inference_key`: for a server whose inference needs one
         (TRITON_INFERENCE_KEY); sent with every request, never printed.
 
@@ -307,7 +344,8 @@ class Client:
         when no answer came."""
         _check_retries(retries, retry_backoff_s)
         self._retries, self._retry_backoff_s = retries, retry_backoff_s
-        self.retried = 0  # resends so far, for callers who count them
+        self.retried = 0  # resends so far of attempts that were sent, for callers who count them
+        self._init_throttle(throttle)
         self._module = _protocol_module(protocol, asynchronous=False)
         self._protocol = protocol
         self._headers = _key_headers(protocol, inference_key)
@@ -327,12 +365,15 @@ class Client:
         started = time.perf_counter()
         for attempt in range(self._retries + 1):
             try:
+                self._allow()
                 result = self._client.infer(self._model_name, inputs, outputs=outputs,
                                             parameters=parameters, headers=_copy(self._headers), **kwargs)
+                self._accepted(None)
                 break
             except Exception as error:
+                self._accepted(error)
                 if attempt < self._retries and _resend(error, self._module):
-                    self.retried += 1
+                    self.retried += not isinstance(error, Throttled)  # a resend of what the server saw
                     time.sleep(backoff_s(self._retry_backoff_s, attempt))
                     continue
                 if isinstance(error, self._module.InferenceServerException):
@@ -416,7 +457,7 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Throttling):
     """asyncio client that keeps up to `concurrency` requests in flight.
 
     `infer_many` starts a new request as soon as any finishes (a sliding
@@ -425,14 +466,16 @@ class AsyncClient:
     """
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None):
+                 concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None,
+                 throttle=True):
         """`retries`: as for Client (no answer and UNAVAILABLE only, never a timeout);
-        `inference_key` too."""
+        `inference_key` and `throttle` too."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         _check_retries(retries, retry_backoff_s)
         self._retries, self._retry_backoff_s = retries, retry_backoff_s
         self.retried = 0
+        self._init_throttle(throttle)
         self._module = _protocol_module(protocol, asynchronous=True)
         self._protocol = protocol
         self._headers = _key_headers(protocol, inference_key)
@@ -455,12 +498,15 @@ class AsyncClient:
             started = time.perf_counter()
             for attempt in range(self._retries + 1):
                 try:
+                    self._allow()
                     result = await self._client.infer(self._model_name, inputs, outputs=outputs,
                                                       parameters=parameters, headers=_copy(self._headers), **kwargs)
+                    self._accepted(None)
                     break
                 except Exception as error:
+                    self._accepted(error)
                     if attempt < self._retries and _resend(error, self._module):
-                        self.retried += 1
+                        self.retried += not isinstance(error, Throttled)  # a resend of what the server saw
                         await asyncio.sleep(backoff_s(self._retry_backoff_s, attempt))
                         continue
                     if isinstance(error, self._module.InferenceServerException):

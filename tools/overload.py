@@ -110,6 +110,11 @@ async def python_phase(url, image, users, seconds, timeout_s, backoff_base_s):
     return summary(users, round(time.monotonic() - started, 1), admitted, rejected, lost)
 
 
+def throttled_note(figures):
+    """The attempts a client refused itself, unsent (classify_describe's adaptive throttle)."""
+    return f" (+{figures['throttled']} unsent)" if figures.get("throttled") else ""
+
+
 def summary(users, seconds, admitted, rejected, lost):
     """A phase's figures from its attempts' latencies (s) and its lost requests' reasons."""
     return {"users": users, "seconds": seconds, "admitted": len(admitted), "rejected": len(rejected),
@@ -343,7 +348,7 @@ def table(saturation, phases):
                    factor=1, goodput_share=1.0), *phases]:
         rows.append(f"| {p['client']} | {p['path']} | {p['factor']}x | {p['users']} | {p['admitted_per_s']} | "
                     f"{p['goodput_share']} | {_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
-                    f"{p['rejected']} | {p['lost']} | {p.get('load_generator_cpu_share', '')} |")
+                    f"{p['rejected']}{throttled_note(p)} | {p['lost']} | {p.get('load_generator_cpu_share', '')} |")
     return "\n".join(rows)
 
 

@@ -90,7 +90,8 @@ def python_kind_phase(make_request, users, seconds):
 
 def project_client(url, protocol, image, timeout_s, retries, backoff_s):
     """classify_describe.AsyncClient with its documented policy: retries with
-    back-off and full jitter (README "Overload"); one client for all users."""
+    back-off and full jitter, and its adaptive throttle (README "Under
+    overload"); one client for all users, so one throttle sees them all."""
     from classify_describe import AsyncClient
 
     def make(users):
@@ -103,7 +104,9 @@ def project_client(url, protocol, image, timeout_s, retries, backoff_s):
             # otherwise hide the LLM's latency.
             await client.infer(image, prompt=f"What is it? ({tag}-{number})")
 
-        return request, (lambda: {"rejected": client.retried}), client.close
+        # "rejected": resends after the server's refusals; "throttled": attempts the
+        # client's throttle refused itself, never sent.
+        return request, (lambda: {"rejected": client.retried, "throttled": client.throttled}), client.close
     return make
 
 

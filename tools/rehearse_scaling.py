@@ -281,11 +281,13 @@ async def one_request(client, tally, image, prompt, retries=0):
 
 
 async def closed_loop(url, images, concurrency, seconds, tag):
-    """`concurrency` workers, each sending its next request when the last is answered."""
+    """`concurrency` workers, each sending its next request when the last is answered.
+    throttle=False here and in open_loop: the rehearsal counts what the server
+    answers, so every request reaches it."""
     tally = Tally()
     deadline = time.monotonic() + seconds
     counter = iter(range(10**9))
-    async with AsyncClient(url, concurrency=concurrency, timeout_s=120) as client:
+    async with AsyncClient(url, concurrency=concurrency, timeout_s=120, throttle=False) as client:
         async def worker():
             while time.monotonic() < deadline:
                 index = next(counter)
@@ -302,7 +304,7 @@ async def open_loop(url, images, rate, seconds, max_in_flight, tag, during=None,
     a restart shows up as latency and failures, not as a slower sender."""
     tally = Tally()
     total = int(rate * seconds)
-    async with AsyncClient(url, concurrency=max_in_flight, timeout_s=120) as client:
+    async with AsyncClient(url, concurrency=max_in_flight, timeout_s=120, throttle=False) as client:
         side_task = asyncio.ensure_future(during()) if during else None
         started = time.monotonic()
         tasks = []

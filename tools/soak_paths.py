@@ -91,9 +91,11 @@ class Paths:
     """One client per path, on one server; `retried` counts resends (all paths)."""
 
     def __init__(self, server, front_key, scan, concurrency, retries, backoff_base_s=0.5, timeout_s=120.0):
+        # throttle=False: the soak judges what the server answers, so every attempt reaches it.
         self.http = AsyncClient(server.http_url, concurrency=concurrency, timeout_s=timeout_s,
-                                retries=retries, retry_backoff_s=backoff_base_s)
-        self.grpc = AsyncClient(server.grpc_url, protocol="grpc", concurrency=concurrency, timeout_s=timeout_s)
+                                retries=retries, retry_backoff_s=backoff_base_s, throttle=False)
+        self.grpc = AsyncClient(server.grpc_url, protocol="grpc", concurrency=concurrency, timeout_s=timeout_s,
+                                throttle=False)
         self.url = f"{server.openai_base_url}/chat/completions"
         self.headers = {"Authorization": f"Bearer {front_key}", "Content-Type": "application/json"}
         self.scan, self.retries, self.backoff_base_s, self.timeout_s = scan, retries, backoff_base_s, timeout_s

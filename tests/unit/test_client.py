@@ -342,3 +342,129 @@ def test_cli_exit_code_when_no_file_can_be_read(no_backoff, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == cli.EXIT_SOME_FAILED, err
     assert "Is the server running" not in err
+
+
+# ---------------------------------------------------------------- the adaptive throttle
+# (classify_describe/throttle.py; its rule is tested in test_client_throttle.py)
+
+def eager_throttle(min_requests=4):
+    """Refuses whenever the rule gives a probability above 0 (rand() is 0); a
+    stopped clock, so the counts do not fade during the test."""
+    return client_module.AdaptiveThrottle(min_requests=min_requests, rand=lambda: 0.0, clock=lambda: 0.0)
+
+
+def test_an_overloaded_server_gets_only_what_the_throttle_lets_through(stand_in):
+    async def run():
+        async with AsyncClient(stand_in.url, throttle=eager_throttle(), timeout_s=5) as client:
+            errors = []
+            for number in range(10):
+                with pytest.raises(TritonRequestError) as caught:
+                    await client.infer(f"unavailable:x{number}".encode())
+                errors.append(caught.value)
+            return errors, client.throttled
+
+    errors, throttled = asyncio.run(run())
+    assert sum(stand_in.attempts.values()) == 4  # min_requests reached the server, then none
+    assert throttled == 6
+    assert all(isinstance(e, client_module.Throttled) and e.retryable and not e.answered for e in errors[4:])
+    assert not any(isinstance(e, client_module.Throttled) for e in errors[:4])
+
+
+@pytest.mark.parametrize("kind", ["ok", "invalid"])
+def test_answers_and_bad_requests_count_as_accepted(stand_in, kind):
+    # 30 accepted (an answer, or a 400: the server took the request) let 2 x 30 through
+    with Client(stand_in.url, throttle=eager_throttle(), timeout_s=5) as client:
+        for number in range(30):
+            try:
+                client.infer(f"{kind}:a{number}".encode())
+            except TritonRequestError:
+                pass
+        for number in range(25):
+            with pytest.raises(TritonRequestError) as caught:
+                client.infer(f"unavailable:b{number}".encode())
+            assert not isinstance(caught.value, client_module.Throttled)
+        assert client.throttled == 0
+    assert sum(n for image, n in stand_in.attempts.items() if image.startswith(b"unavailable")) == 25
+
+
+def test_a_throttled_attempt_is_resent_after_back_off(stand_in, no_backoff):
+    gate = eager_throttle()
+    with Client(stand_in.url, throttle=gate, timeout_s=5, retries=3) as client:
+        with pytest.raises(TritonRequestError):
+            client.infer(b"unavailable:first")  # 4 attempts sent, none accepted
+        assert sum(stand_in.attempts.values()) == 4
+        with pytest.raises(client_module.Throttled):
+            client.infer(b"ok:later")  # refused here 4 times: resent by retries, never sent
+        assert client.throttled == 4 and client.retried == 3  # resends of sent attempts only
+    assert stand_in.attempts[b"ok:later"] == 0
+
+
+def test_the_async_clients_answers_count_as_accepted(stand_in):
+    async def run():
+        async with AsyncClient(stand_in.url, throttle=eager_throttle(), timeout_s=5) as client:
+            for number in range(30):
+                await client.infer(f"ok:a{number}".encode())
+            for number in range(25):
+                with pytest.raises(TritonRequestError) as caught:
+                    await client.infer(f"unavailable:b{number}".encode())
+                assert not isinstance(caught.value, client_module.Throttled)
+            return client.throttled
+
+    assert asyncio.run(run()) == 0
+
+
+def test_the_throttle_is_on_by_default(stand_in):
+    # the default rule (min_requests 20, k 2): past 20 refusals each attempt is refused here
+    # with probability about 20/21 or more, so of 40 at most a few more than 20 reach the server
+    with Client(stand_in.url, timeout_s=5) as client:
+        for number in range(40):
+            with pytest.raises(TritonRequestError):
+                client.infer(f"unavailable:x{number}".encode())
+        assert client.throttled >= 10
+    assert sum(stand_in.attempts.values()) <= 30
+
+
+def test_throttle_false_sends_every_attempt(stand_in):
+    with Client(stand_in.url, throttle=False, timeout_s=5) as client:
+        for number in range(30):
+            with pytest.raises(TritonRequestError):
+                client.infer(f"unavailable:x{number}".encode())
+        assert client.throttled == 0
+    assert sum(stand_in.attempts.values()) == 30
+
+
+def test_the_readmes_tritonclient_recipe_retries_and_throttles(stand_in):
+    """README "Under overload": the snippet for tritonclient users, run as written
+    (but for its last lines, which need a real server on 8000)."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S)
+                   if "def infer_with_retries" in block)
+    namespace = {}
+    exec(snippet.split("\nclient = httpclient")[0], namespace)  # noqa: S102 - our own README
+    namespace["throttle"] = eager_throttle()
+    client = httpclient.InferenceServerClient(stand_in.url)
+
+    def inputs(image):
+        tensor = httpclient.InferInput("IMAGE", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[image]], dtype=object))
+        return [tensor]
+
+    answer = namespace["infer_with_retries"](client, inputs(b"unavailable-once:x"), retries=2, retry_after_s=0)
+    assert answer.as_numpy("LABELS")[0][0] in (b"tabby", "tabby")  # the stand-in answers JSON
+    assert stand_in.attempts[b"unavailable-once:x"] == 2  # refused once, resent, answered
+    for number in range(3):
+        namespace["infer_with_retries"](client, inputs(f"ok:{number}".encode()), retries=0)
+    for number in range(2):  # a 400 is raised at once and counts as accepted: the server took it
+        with pytest.raises(httpclient.InferenceServerException):
+            namespace["infer_with_retries"](client, inputs(f"invalid:{number}".encode()), retries=3)
+    for number in range(10):
+        with pytest.raises(RuntimeError, match="overloaded"):
+            namespace["infer_with_retries"](client, inputs(f"unavailable:y{number}".encode()), retries=0,
+                                            retry_after_s=0)
+    # 6 accepted of 7 sent: the 8th to 13th requests pass too (until 2 x 6 were counted), then
+    # (requests - 2 x 6) / (requests + 1) > 0 refuses every further attempt (this throttle
+    # refuses whenever the probability is above 0)
+    assert sum(stand_in.attempts.values()) == 2 + 3 + 2 + 6

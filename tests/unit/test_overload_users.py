@@ -214,3 +214,34 @@ def test_the_c_users_run_at_the_lowest_priority(front, tmp_path):
                                seconds=1.0, timeout_s=5, backoff_base_s=0.01, openai=True, nice=19)
     assert figures["admitted"] >= 1 and figures["lost"] == 0
     assert StandInFront.nices and all(nices == {19} for nices in StandInFront.nices)
+
+
+def test_the_project_clients_counts_split_server_refusals_from_its_own():
+    # Every attempt refused by the server (503): after min_requests the client's throttle
+    # refuses most of the rest itself; "rejected" counts only what the server refused.
+    from tests.unit.test_client import StandIn
+
+    server = StandIn()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        make = overload_users.project_client(server.url, "http", b"unavailable:x", timeout_s=5, retries=0,
+                                             backoff_s=0.0)
+
+        async def run():
+            request, counts, close = make(1)
+            for number in range(60):
+                try:
+                    await request(number)
+                except Exception:  # noqa: BLE001 - every request is refused, by the server or the client
+                    pass
+            await close()
+            return counts()
+
+        counts = asyncio.run(run())
+    finally:
+        server.shutdown()
+        server.server_close()
+    sent = server.attempts[b"unavailable:x"]
+    assert counts["throttled"] >= 20 and counts["throttled"] + sent == 60
+    assert counts["rejected"] == 0  # retries=0: no resends at all, of either kind
