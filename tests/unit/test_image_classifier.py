@@ -7,7 +7,6 @@ scale classifies as the full decode does. TorchScript's generic checks run on a 
 10-class model built per test.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,6 +18,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from backend_model import load_model
 
 from scripts import export_onnx
 
@@ -33,15 +33,8 @@ pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")
 
 
-def load_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-classifier_model = load_module("image_classifier_model", REPO / "backends/image_classifier/model.py")
-preprocess_model = load_module("image_preprocess_model", REPO / "backends/image_preprocess/model.py")
+classifier_model = load_model("image_classifier")
+preprocess_model = load_model("image_preprocess")
 
 
 @pytest.fixture(scope="module", autouse=True)

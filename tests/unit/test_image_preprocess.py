@@ -1,6 +1,5 @@
 """backends/image_preprocess without a server: decoding rules, transform, adapter."""
 
-import importlib.util
 import io
 import json
 import pathlib
@@ -9,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from backend_model import load_model
 from PIL import Image, ImageFile
 
 from tools.model_config import read as read_model_config
@@ -17,7 +17,6 @@ from tools.reference import bad_images, png_with_header_size, reference_pixels
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-BACKEND = REPO / "backends" / "image_preprocess"
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
 
 pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
@@ -29,14 +28,7 @@ def restore_pillow_guard(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
 
 
-def load_adapter_module():
-    spec = importlib.util.spec_from_file_location("image_preprocess_model", BACKEND / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-model_module = load_adapter_module()
+model_module = load_model("image_preprocess")
 
 
 # ---------------------------------------------------------------- helpers
