@@ -389,6 +389,27 @@ def test_failure_answers_every_request_with_internal_and_logs_it(served, fake_pb
     assert any("arena allocation" in message for level, message in pb_utils.Logger.records if level == "error")
 
 
+def test_classify_rows_runs_once_and_gives_each_request_its_own_rows():
+    """One forward pass over a dynamic batch, split back by each request's row count
+    (the classifier's and classify_with_view's execute both rely on it)."""
+    class Echo:  # labels and scores that tell which row of the batch they came from
+        calls = 0
+
+        def classify(self, pixels):
+            self.calls += 1
+            rows = pixels[:, 0, 0, 0].astype(np.float32)
+            return np.array([[b"%d" % row] * 2 for row in rows], dtype=np.object_), np.stack([rows, rows], 1)
+
+    echo = Echo()
+    batches = [np.full((n, 3, 2, 2), first, np.uint8) + np.arange(n, dtype=np.uint8)[:, None, None, None]
+               for n, first in ((2, 0), (1, 2), (3, 3))]
+    results = classifier_runtime.classify_rows(echo, batches)
+    assert echo.calls == 1 and len(results) == 3
+    assert [labels[:, 0].tolist() for labels, _ in results] == [[b"0", b"1"], [b"2"], [b"3", b"4", b"5"]]
+    assert [scores[:, 1].tolist() for _, scores in results] == [[0, 1], [2], [3, 4, 5]]
+    assert [labels.shape for labels, _ in classifier_runtime.classify_rows(echo, batches[:1])] == [(2, 2)]
+
+
 def test_scores_are_sorted_softmax_probabilities(tiny_model_dir):
     model = make_model(tiny_config(k=10), tiny_model_dir)
     x = np.random.default_rng(1).normal(size=(2, 3, 8, 8))
