@@ -1,8 +1,8 @@
 """Triton adapter for preprocess and classifier in one stub: IMAGE (encoded bytes) -> LABELS, SCORES,
 and VIEW (the JPEG the describe step shows the LLM) when a request asks for it.
 
-The CPU layout of classify_with_view: the same decode (image_decode.py, preprocess's logic) and the
-same forward pass (classifier_runtime.py, the classifier's logic) as the two-model ensemble, without
+The CPU layout of classify_with_view: the same decode (image_decode.decode_items, preprocess's) and the
+same forward pass (classifier_runtime.classify_rows, the classifier's) as the two-model ensemble, without
 the hop between two stubs and the copy of the pixels through tritonserver (docs/benchmarks-method.md: classify
 answered 1.09x the requests a second on 2 cores, side by side). The weights, labels and version are the
 classifier model's own folder (parameter classifier_model), so a model brought to classifier/ is
