@@ -140,7 +140,7 @@ $(PERF_DIR)/.installed: versions.env scripts/install_perf_analyzer.sh | $(TRITON
 # tests/integration/test_llm_gateway.py, in its own venv (about 800 MB, 2 min).
 .PHONY: litellm-gateway
 litellm-gateway: $(LITELLM_DIR)/.installed
-$(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install_litellm.sh
+$(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install_litellm.sh scripts/make_side_venv.sh
 	scripts/install_litellm.sh $(PYTHON_BIN) $(LITELLM_DIR)
 	touch $@
 
@@ -149,7 +149,7 @@ $(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install
 # 1 min); not part of `make test`.
 .PHONY: bentoml-baseline
 bentoml-baseline: $(BENTOML_DIR)/.installed
-$(BENTOML_DIR)/.installed: versions.env requirements-bentoml.txt scripts/install_bentoml.sh
+$(BENTOML_DIR)/.installed: versions.env requirements-bentoml.txt scripts/install_bentoml.sh scripts/make_side_venv.sh
 	scripts/install_bentoml.sh $(PYTHON_BIN) $(BENTOML_DIR)
 	touch $@
 

@@ -10,10 +10,7 @@ cd "$(dirname "$0")/.."
 python="$1" dest="$2"
 : "${BENTOML_VERSION:?source versions.env first}"
 
-rm -rf "$dest"
-"$python" -m venv "$dest"
-"$dest/bin/python" -m pip install --quiet --upgrade pip
-"$dest/bin/python" -m pip install --quiet -r requirements-bentoml.txt
+scripts/make_side_venv.sh "$python" "$dest" requirements-bentoml.txt
 # The service's imports resolve, with the versions the runtime pins.
 "$dest/bin/python" - <<'PY'
 import os

@@ -9,10 +9,7 @@ cd "$(dirname "$0")/.."
 python="$1" dest="$2"
 : "${LITELLM_VERSION:?source versions.env first}"
 
-rm -rf "$dest"
-"$python" -m venv "$dest"
-"$dest/bin/python" -m pip install --quiet --upgrade pip
-"$dest/bin/python" -m pip install --quiet -r requirements-litellm.txt
+scripts/make_side_venv.sh "$python" "$dest" requirements-litellm.txt
 # The proxy starts: its imports (the proxy's own dependencies) resolve. LiteLLM
 # fetches a model price list from the internet at import unless told to use
 # the copy in its wheel.

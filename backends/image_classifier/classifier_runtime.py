@@ -134,6 +134,14 @@ def load(settings, model_dir, version, tensors: Tensors, device="cpu"):
                                  device, mean=settings.mean, std=settings.std, threads=settings.torch_num_threads)
 
 
+def classify_rows(classifier, batches):
+    """Several requests' pixels ([n, C, H, W] each) through one forward pass, the point of a dynamic
+    batch -> each request's (labels [n, k], scores [n, k]), in order. A failure raises for all of them."""
+    labels, scores = classifier.classify(np.concatenate(batches))
+    ends = np.cumsum([len(pixels) for pixels in batches])[:-1]  # where each request's rows end
+    return list(zip(np.split(labels, ends), np.split(scores, ends)))
+
+
 # ---------------------------------------------------------------- onnxruntime
 
 # ONNX element type (as onnxruntime names it) of each numpy dtype a config may declare.

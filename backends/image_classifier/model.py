@@ -11,7 +11,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from classifier_runtime import ConfigError, Tensors, load, parse_settings
+from classifier_runtime import ConfigError, Tensors, classify_rows, load, parse_settings
 from model_log import Log
 
 INPUT_NAME = "PIXELS"
@@ -66,23 +66,21 @@ class TritonPythonModel:
             else:
                 batches.append((index, pixels))
 
-        if batches:
-            try:
-                labels, scores = self.classifier.classify(np.concatenate([pixels for _, pixels in batches]))
-            except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
-                self.log.error(f"inference failed:\n{traceback.format_exc()}")
-                internal = "internal error in the classifier"
-                for index, _ in batches:
-                    responses[index] = _error_response(internal, pb_utils.TritonError.INTERNAL)
-                return responses
-            start = 0
-            for index, pixels in batches:
-                end = start + len(pixels)
-                responses[index] = pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor(LABELS_NAME, labels[start:end]),
-                    pb_utils.Tensor(SCORES_NAME, scores[start:end].astype(self.scores_dtype, copy=False)),
-                ])
-                start = end
+        if not batches:
+            return responses
+        try:
+            results = classify_rows(self.classifier, [pixels for _, pixels in batches])
+        except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
+            self.log.error(f"inference failed:\n{traceback.format_exc()}")
+            internal = "internal error in the classifier"
+            for index, _ in batches:
+                responses[index] = _error_response(internal, pb_utils.TritonError.INTERNAL)
+            return responses
+        for (index, _), (labels, scores) in zip(batches, results):
+            responses[index] = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(LABELS_NAME, labels),
+                pb_utils.Tensor(SCORES_NAME, scores.astype(self.scores_dtype, copy=False)),
+            ])
         return responses
 
     def finalize(self):

@@ -1,8 +1,8 @@
 """Triton adapter for preprocess and classifier in one stub: IMAGE (encoded bytes) -> LABELS, SCORES,
 and VIEW (the JPEG the describe step shows the LLM) when a request asks for it.
 
-The CPU layout of classify_with_view: the same decode (image_decode.py, preprocess's logic) and the
-same forward pass (classifier_runtime.py, the classifier's logic) as the two-model ensemble, without
+The CPU layout of classify_with_view: the same decode (image_decode.decode_items, preprocess's) and the
+same forward pass (classifier_runtime.classify_rows, the classifier's) as the two-model ensemble, without
 the hop between two stubs and the copy of the pixels through tritonserver (docs/benchmarks-method.md: classify
 answered 1.09x the requests a second on 2 cores, side by side). The weights, labels and version are the
 classifier model's own folder (parameter classifier_model), so a model brought to classifier/ is
@@ -21,10 +21,10 @@ from PIL import Image
 
 import error_contract as contract
 from classifier_runtime import ConfigError as ClassifierConfigError
-from classifier_runtime import Tensors, load
+from classifier_runtime import Tensors, classify_rows, load
 from classifier_runtime import parse_settings as classifier_settings
 from image_decode import ConfigError as DecodeConfigError
-from image_decode import ImagePreprocessor, InvalidImage, PreprocessSettings
+from image_decode import ImagePreprocessor, InvalidImage, PreprocessSettings, decode_items, wants_view
 from image_decode import parse_settings as decode_settings
 from model_log import Log
 
@@ -63,6 +63,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
         Image.MAX_IMAGE_PIXELS = decode.max_pixels  # Pillow's process-wide guard, as in preprocess
         self.preprocessor = ImagePreprocessor(decode)
+        # VIEW only for a request that asks for it, and never encoded with LLM_VISION=off (decode_items).
         self.has_view = pb_utils.get_output_config_by_name(model_config, VIEW_NAME) is not None
         self.vision_off = os.environ.get("LLM_VISION", "").strip().lower() == "off"
         self.log.info(f"ready: {decode}; {classifier_dir.name}/{args['model_version']}/{settings.model_file}, "
@@ -95,40 +96,26 @@ class TritonPythonModel:
         if not decoded:
             return responses
         try:
-            labels, scores = self.classifier.classify(np.concatenate([pixels for _, pixels, _ in decoded]))
+            results = classify_rows(self.classifier, [pixels for _, pixels, _ in decoded])
         except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
             self.log.error(f"inference failed:\n{traceback.format_exc()}")
             for index, _, _ in decoded:
                 responses[index] = _error_response(contract.tagged(contract.INTERNAL, "internal error in the classifier"),
                                                    pb_utils.TritonError.INTERNAL)
             return responses
-        start = 0
-        for index, pixels, views in decoded:
-            end = start + len(pixels)
-            outputs = [pb_utils.Tensor(LABELS_NAME, labels[start:end]),
-                       pb_utils.Tensor(SCORES_NAME, scores[start:end].astype(self.scores_dtype, copy=False))]
+        for (index, _, views), (labels, scores) in zip(decoded, results):
+            outputs = [pb_utils.Tensor(LABELS_NAME, labels),
+                       pb_utils.Tensor(SCORES_NAME, scores.astype(self.scores_dtype, copy=False))]
             if views is not None:
                 outputs.append(pb_utils.Tensor(VIEW_NAME, views))
             responses[index] = pb_utils.InferenceResponse(output_tensors=outputs)
-            start = end
         return responses
 
     def _decode(self, request):
         """-> (pixels [n, 3, crop, crop], the views [n, 1] or None when the request does not ask for VIEW)."""
         images = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
-        items = [bytes(item) for item in images.reshape(-1)]  # [batch, 1] bytes objects
-        if not self._wants_view(request):
-            return np.stack([self.preprocessor(item) for item in items]), None
-        # b"": no view made (vision off); describe then says so in USAGE.
-        pairs = [self.preprocessor.with_view(item) if not self.vision_off else (self.preprocessor(item), b"")
-                 for item in items]
-        return np.stack([pixels for pixels, _ in pairs]), np.array([[view] for _, view in pairs], dtype=np.object_)
-
-    def _wants_view(self, request):
-        if not self.has_view:
-            return False
-        names = request.requested_output_names()
-        return names is None or VIEW_NAME in names  # None: every output (a client that named none)
+        view = wants_view(self.has_view, request.requested_output_names(), VIEW_NAME)
+        return decode_items(self.preprocessor, images, view, self.vision_off)
 
     def finalize(self):
         self.log.info("unloaded")

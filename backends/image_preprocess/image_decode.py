@@ -167,6 +167,28 @@ class ImagePreprocessor:
             raise InvalidImage(f"IMAGE {image.format} data is corrupt or truncated: {error}") from None
 
 
+def wants_view(declared, requested_names, view_name):
+    """Whether a request gets the view: its model's config declares the output `view_name`, and
+    the request names it or names none (Triton's requested_output_names() is then None: all)."""
+    return declared and (requested_names is None or view_name in requested_names)
+
+
+def decode_items(preprocessor, images, view, vision_off=False):
+    """One request's images (encoded bytes, [batch, 1]) -> (pixels uint8 [n, 3, crop, crop], the
+    views object [n, 1] of JPEG bytes, or None without `view`); InvalidImage if any is unusable.
+
+    The view costs an encode: made only when `view` (the request asks for it: an ensemble asks for
+    what its steps map, classify does not, classify_and_describe does), and never with
+    `vision_off` (LLM_VISION=off for the whole server): each view is then b"", and describe says
+    so in USAGE (docs/DESIGN.md#the-view).
+    """
+    items = [bytes(item) for item in np.asarray(images).reshape(-1)]
+    if not view:
+        return np.stack([preprocessor(item) for item in items]), None
+    pairs = [(preprocessor(item), b"") if vision_off else preprocessor.with_view(item) for item in items]
+    return np.stack([pixels for pixels, _ in pairs]), np.array([[jpeg] for _, jpeg in pairs], dtype=np.object_)
+
+
 def make_view(image, settings):
     """An upright decoded image -> JPEG bytes for the LLM: alpha flattened on
     white (a transparent background reads as white, not as the colour hidden

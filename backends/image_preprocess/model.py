@@ -9,12 +9,11 @@ import json
 import os
 import traceback
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 from PIL import Image
 
 import error_contract as contract
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, parse_settings
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, decode_items, parse_settings, wants_view
 from model_log import Log
 
 INPUT_NAME = "IMAGE"
@@ -52,9 +51,7 @@ class TritonPythonModel:
         # (e.g. a format whose header size differs from what it decodes to).
         Image.MAX_IMAGE_PIXELS = settings.max_pixels
         self.preprocessor = ImagePreprocessor(settings)
-        # The view costs an encode: made only for a request that asks for VIEW (an ensemble asks for
-        # what its steps map: classify does not, classify_and_describe does), and never when the
-        # describe step's vision is off for the whole server (LLM_VISION=off): docs/DESIGN.md#the-view.
+        # VIEW only for a request that asks for it, and never encoded with LLM_VISION=off (decode_items).
         self.has_view = pb_utils.get_output_config_by_name(model_config, VIEW_NAME) is not None
         self.vision_off = os.environ.get("LLM_VISION", "").strip().lower() == "off"
         return settings
@@ -65,18 +62,14 @@ class TritonPythonModel:
 
     def _respond(self, request):
         try:
+            # Each request may carry several images.
             images = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
-            # [batch, 1] bytes objects; each request may carry several images.
-            items = [bytes(item) for item in images.reshape(-1)]
-            if not self._wants_view(request):
-                pixels = np.stack([self.preprocessor(item) for item in items])
-                return pb_utils.InferenceResponse(output_tensors=[self._pixels(pixels)])
-            pairs = [self.preprocessor.with_view(item) if not self.vision_off else (self.preprocessor(item), b"")
-                     for item in items]
-            pixels = np.stack([pixel for pixel, _ in pairs])
-            # b"": no view made (vision off); describe then says so in USAGE.
-            views = np.array([[view] for _, view in pairs], dtype=np.object_)
-            return pb_utils.InferenceResponse(output_tensors=[self._pixels(pixels), pb_utils.Tensor(VIEW_NAME, views)])
+            view = wants_view(self.has_view, request.requested_output_names(), VIEW_NAME)
+            pixels, views = decode_items(self.preprocessor, images, view, self.vision_off)
+            outputs = [pb_utils.Tensor(OUTPUT_NAME, pixels.astype(self.output_dtype, copy=False))]
+            if views is not None:
+                outputs.append(pb_utils.Tensor(VIEW_NAME, views))
+            return pb_utils.InferenceResponse(output_tensors=outputs)
         except InvalidImage as error:
             return _error_response(contract.tagged(contract.INVALID_INPUT, str(error), INPUT_NAME),
                                    pb_utils.TritonError.INVALID_ARG)
@@ -84,15 +77,6 @@ class TritonPythonModel:
             self.log.error(f"unexpected error:\n{traceback.format_exc()}")
             return _error_response(contract.tagged(contract.INTERNAL, "internal error while preprocessing IMAGE"),
                                    pb_utils.TritonError.INTERNAL)
-
-    def _wants_view(self, request):
-        if not self.has_view:
-            return False
-        names = request.requested_output_names()
-        return names is None or VIEW_NAME in names  # None: every output (a client that named none)
-
-    def _pixels(self, pixels):
-        return pb_utils.Tensor(OUTPUT_NAME, pixels.astype(self.output_dtype, copy=False))
 
     def finalize(self):
         self.log.info("unloaded")

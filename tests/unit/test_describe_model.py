@@ -2,28 +2,20 @@
 responses go out through the response sender, errors per request, metrics,
 the no-key warning, and an orderly finalize."""
 
-import importlib.util
 import json
-import pathlib
 import threading
 
 import numpy as np
 import pytest
+from backend_model import load_model
 
 from tools.fake_openai import ThreadedFakeOpenAI
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BACKEND = ROOT / "backends/openai_describe"
 
 KEY = "sk-adapter-DO-NOT-LEAK-0987654321"
 
 
 def load_model_module():
-    # A unique module name: other backends' tests import their own model.py too.
-    spec = importlib.util.spec_from_file_location("openai_describe_model", BACKEND / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_model("openai_describe")
 
 
 def make_model(monkeypatch, base_url, key=KEY, **params):

@@ -7,7 +7,6 @@ scale classifies as the full decode does. TorchScript's generic checks run on a 
 10-class model built per test.
 """
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -19,6 +18,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from backend_model import load_model
 
 from scripts import export_onnx
 
@@ -33,15 +33,8 @@ pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")
 
 
-def load_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-classifier_model = load_module("image_classifier_model", REPO / "backends/image_classifier/model.py")
-preprocess_model = load_module("image_preprocess_model", REPO / "backends/image_preprocess/model.py")
+classifier_model = load_model("image_classifier")
+preprocess_model = load_model("image_preprocess")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -394,6 +387,27 @@ def test_failure_answers_every_request_with_internal_and_logs_it(served, fake_pb
         assert response.error().code() == pb_utils.TritonError.INTERNAL
         assert "arena" not in response.error().message() and "out of memory" not in response.error().message()
     assert any("arena allocation" in message for level, message in pb_utils.Logger.records if level == "error")
+
+
+def test_classify_rows_runs_once_and_gives_each_request_its_own_rows():
+    """One forward pass over a dynamic batch, split back by each request's row count
+    (the classifier's and classify_with_view's execute both rely on it)."""
+    class Echo:  # labels and scores that tell which row of the batch they came from
+        calls = 0
+
+        def classify(self, pixels):
+            self.calls += 1
+            rows = pixels[:, 0, 0, 0].astype(np.float32)
+            return np.array([[b"%d" % row] * 2 for row in rows], dtype=np.object_), np.stack([rows, rows], 1)
+
+    echo = Echo()
+    batches = [np.full((n, 3, 2, 2), first, np.uint8) + np.arange(n, dtype=np.uint8)[:, None, None, None]
+               for n, first in ((2, 0), (1, 2), (3, 3))]
+    results = classifier_runtime.classify_rows(echo, batches)
+    assert echo.calls == 1 and len(results) == 3
+    assert [labels[:, 0].tolist() for labels, _ in results] == [[b"0", b"1"], [b"2"], [b"3", b"4", b"5"]]
+    assert [scores[:, 1].tolist() for _, scores in results] == [[0, 1], [2], [3, 4, 5]]
+    assert [labels.shape for labels, _ in classifier_runtime.classify_rows(echo, batches[:1])] == [(2, 2)]
 
 
 def test_scores_are_sorted_softmax_probabilities(tiny_model_dir):

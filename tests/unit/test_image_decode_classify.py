@@ -2,7 +2,6 @@
 decode and the classifier's forward pass in one stub. It must answer what the two models answer in
 turn, fail a bad image alone, make VIEW only when asked, and be configured as they are."""
 
-import importlib.util
 import io
 import json
 import pathlib
@@ -10,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from backend_model import load_model
 from PIL import Image
 
 from tools.model_config import read as read_model_config
@@ -19,16 +19,9 @@ REPOSITORY = REPO / "model_repository"
 pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
 
 
-def load_module(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fused_module = load_module("image_decode_classify_model", REPO / "backends/image_decode_classify/model.py")
-preprocess_module = load_module("image_preprocess_model", REPO / "backends/image_preprocess/model.py")
-classifier_module = load_module("image_classifier_model", REPO / "backends/image_classifier/model.py")
+fused_module = load_model("image_decode_classify")
+preprocess_module = load_model("image_preprocess")
+classifier_module = load_model("image_classifier")
 
 
 def as_triton_json(path):

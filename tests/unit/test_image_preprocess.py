@@ -1,6 +1,5 @@
 """backends/image_preprocess without a server: decoding rules, transform, adapter."""
 
-import importlib.util
 import io
 import json
 import pathlib
@@ -9,15 +8,15 @@ import sys
 
 import numpy as np
 import pytest
+from backend_model import load_model
 from PIL import Image, ImageFile
 
 from tools.model_config import read as read_model_config
 from tools.reference import bad_images, png_with_header_size, reference_pixels
 
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, parse_settings
+from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, decode_items, parse_settings, wants_view
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-BACKEND = REPO / "backends" / "image_preprocess"
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
 
 pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
@@ -29,14 +28,7 @@ def restore_pillow_guard(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
 
 
-def load_adapter_module():
-    spec = importlib.util.spec_from_file_location("image_preprocess_model", BACKEND / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-model_module = load_adapter_module()
+model_module = load_model("image_preprocess")
 
 
 # ---------------------------------------------------------------- helpers
@@ -500,3 +492,29 @@ def test_llm_vision_off_makes_no_view(monkeypatch):
     model = view_model(monkeypatch, "off")
     [response] = model.execute([asking(["PIXELS", "VIEW"], encode(solid((1, 2, 3)), "PNG"))])
     assert response.output("VIEW").tolist() == [[b""]]
+
+
+@pytest.mark.parametrize("declared, names, expected", [
+    (True, ["PIXELS", "VIEW"], True), (True, ["PIXELS"], False), (True, None, True),  # None: named none, gets all
+    (False, ["PIXELS", "VIEW"], False), (False, None, False),
+])
+def test_a_request_gets_the_view_when_its_config_declares_it_and_it_asks(declared, names, expected):
+    assert wants_view(declared, names, "VIEW") is expected
+
+
+def test_decode_items_makes_the_views_only_when_asked_and_encodes_none_with_vision_off(preprocessor, monkeypatch):
+    """decode_items serves preprocess and classify_with_view: the same pixels whatever the view;
+    views [n, 1] of JPEG when asked, b"" without an encode when vision is off, None otherwise."""
+    photos = [encode(solid((10, 200, 10), (1000, 500)), "PNG"), encode(solid((200, 10, 10), (300, 600)), "JPEG")]
+    images = np.array([[photo] for photo in photos], dtype=np.object_)
+    alone = np.stack([preprocessor(photo) for photo in photos])
+    pixels, views = decode_items(preprocessor, images, view=False)
+    assert views is None and np.array_equal(pixels, alone) and pixels.dtype == np.uint8
+    pixels, views = decode_items(preprocessor, images, view=True)
+    assert np.array_equal(pixels, alone) and views.shape == (2, 1) and views.dtype == np.object_
+    assert [Image.open(io.BytesIO(view)).size for view in views[:, 0]] == [(768, 384), (300, 600)]
+    monkeypatch.setattr(preprocessor, "with_view", lambda data: pytest.fail("a view encoded with vision off"))
+    pixels, views = decode_items(preprocessor, images, view=True, vision_off=True)
+    assert np.array_equal(pixels, alone) and views.tolist() == [[b""], [b""]]
+    with pytest.raises(InvalidImage):
+        decode_items(preprocessor, np.array([[photos[0]], [b"junk"]], dtype=np.object_), view=False)

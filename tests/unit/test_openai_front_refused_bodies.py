@@ -59,22 +59,28 @@ def hold_the_slot(server, pool):
     return hold()
 
 
+def beside_a_held_slot(app, pool, client):
+    """`app` served, its one slot held by a valid request, and client(port) run in a thread
+    (raw blocking sockets) -> (what it returns, whether the valid request was held throughout)."""
+    async def main():
+        async with await serving(app) as server:
+            holder = await hold_the_slot(server, pool)
+            result = await asyncio.to_thread(client, server.port)
+            held = app[front_app.ADMISSION].now == 1 and not pool.cancelled.is_set()
+            holder.close()
+            return result, held
+
+    return asyncio.run(main())
+
+
 def test_a_refused_client_sending_its_body_slowly_gets_its_503_and_keeps_its_connection():
     """150 KB in four pieces over 1.5 s, past the front's 1 s lingering_time: without
     the drain the front closed after 1 s and the client's next bytes met a reset."""
     pool = StalledPool()
     app = front_with(pool, max_requests_in_flight=1)
     payload = json.dumps(body(text="What is it? " + "x" * 150_000)).encode()
-
-    async def main():
-        async with await serving(app) as server:
-            holder = await hold_the_slot(server, pool)
-            answers = await asyncio.to_thread(refused_then_again, server.port, payload)
-            held = app[front_app.ADMISSION].now == 1 and not pool.cancelled.is_set()
-            holder.close()
-            return answers, held
-
-    ((status, headers, answer), (next_status, _, _)), held = asyncio.run(main())
+    ((status, headers, answer), (next_status, _, _)), held = beside_a_held_slot(
+        app, pool, lambda port: refused_then_again(port, payload))
     assert status == 503 and b"\r\nRetry-After: " in headers
     assert json.loads(answer)["error"]["code"] == "service_unavailable"
     assert next_status == 200, "the refused client's connection served its next request"
@@ -106,15 +112,9 @@ def test_a_refused_body_that_stalls_has_its_connection_closed_after_the_body_dea
             started = time.monotonic()
             return closed_by_server(sock), time.monotonic() - started
 
-    async def main():
-        async with await serving(app) as server:
-            holder = await hold_the_slot(server, pool)
-            closed = await asyncio.to_thread(stall, server.port)
-            holder.close()
-            return closed
-
-    closed, seconds = asyncio.run(main())
+    (closed, seconds), held = beside_a_held_slot(app, pool, stall)
     assert closed and seconds < SOCKET_TIMEOUT_S
+    assert held
 
 
 def test_a_refused_chunked_body_without_end_is_cut_after_the_largest_body():
@@ -136,15 +136,9 @@ def test_a_refused_chunked_body_without_end_is_cut_after_the_largest_body():
                 return sent
             return sent if closed_by_server(sock) else None
 
-    async def main():
-        async with await serving(app) as server:
-            holder = await hold_the_slot(server, pool)
-            sent = await asyncio.to_thread(endless, server.port)
-            holder.close()
-            return sent
-
-    sent = asyncio.run(main())
+    sent, held = beside_a_held_slot(app, pool, endless)
     assert sent is not None and sent < 64 * 1024 * 1024, sent
+    assert held
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")

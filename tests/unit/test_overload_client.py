@@ -3,7 +3,6 @@ it builds, its back-off on a refusal, the reading of its attempts, and its
 connections as HTTP clients keep them (what is lost and what is not)."""
 
 import base64
-import http.server
 import json
 import shutil
 import socket
@@ -11,6 +10,7 @@ import struct
 import threading
 
 import pytest
+from stand_in_http import StandInHandler, serving_http
 
 from tools import overload
 
@@ -33,11 +33,10 @@ def test_only_what_ends_within_the_phase_counts_but_every_loss_does():
     assert admitted == [1.0] and rejected == [0.001] and lost == ["lost:timeout"] and retries == 1
 
 
-class StandInTriton(http.server.BaseHTTPRequestHandler):
+class StandInTriton(StandInHandler):
     """Triton's HTTP infer endpoint as the C client sees it: the binary tensor
     extension read and checked; every other request refused as a full queue."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, as Triton
     prompts = []
     shed = False  # True: refuse everything as the shedding proxy does (503, Retry-After: 1)
 
@@ -53,30 +52,15 @@ class StandInTriton(http.server.BaseHTTPRequestHandler):
         self.prompts.append(prompt[4:].decode())
         refused = self.shed or len(self.prompts) % 2 == 0
         message = "Exceeds the in-flight limit of the proxy (1)" if self.shed else overload.REFUSED
-        answer = json.dumps({"error": message} if refused else {"outputs": []}).encode()
-        self.send_response(503 if refused else 200)
-        if self.shed:
-            self.send_header("Retry-After", "1")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args):
-        pass
+        self.answer(503 if refused else 200, {"error": message} if refused else {"outputs": []},
+                    [("Retry-After", "1")] if self.shed else ())
 
 
 def run_c_client(tmp_path, handler, users, seconds, backoff_base_s):
     (tmp_path / "photo").write_bytes(b"photo")
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        binary = overload.compile_c_client(tmp_path)
-        return overload.c_phase(binary, f"127.0.0.1:{server.server_address[1]}", tmp_path / "photo",
+    with serving_http(handler) as address:
+        return overload.c_phase(overload.compile_c_client(tmp_path), address, tmp_path / "photo",
                                 users=users, seconds=seconds, timeout_s=5, backoff_base_s=backoff_base_s)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
@@ -114,12 +98,11 @@ def test_the_proxys_refusal_is_a_refusal_and_retry_after_is_honoured_unless_rese
         assert len(ShedStandIn.prompts) > 10  # resends at once: Retry-After ignored
 
 
-class StandInFront(http.server.BaseHTTPRequestHandler):
+class StandInFront(StandInHandler):
     """The OpenAI front's chat completions as the C client's openai mode sees it:
     the body parsed as JSON, the photo decoded from its data URI; every other
     request refused as the front sheds (503, service_unavailable, Retry-After: 1)."""
 
-    protocol_version = "HTTP/1.1"
     prompts, photos = [], []
 
     def do_POST(self):  # noqa: N802 - http.server's name
@@ -131,17 +114,8 @@ class StandInFront(http.server.BaseHTTPRequestHandler):
         self.photos.append(base64.b64decode(image["image_url"]["url"][len(prefix):], validate=True))
         self.prompts.append(text["text"])
         refused = len(self.prompts) % 2 == 0
-        answer = json.dumps({"error": {"code": "service_unavailable"}} if refused else {"choices": []}).encode()
-        self.send_response(503 if refused else 200)
-        if refused:
-            self.send_header("Retry-After", "1")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args):
-        pass
+        self.answer(503 if refused else 200, {"error": {"code": "service_unavailable"}} if refused else {"choices": []},
+                    [("Retry-After", "1")] if refused else ())
 
 
 @needs_cc
@@ -153,15 +127,9 @@ def test_the_c_clients_openai_mode_sends_the_photo_as_a_data_uri_and_honours_the
     1.5 s for the one user (hundreds with its 0.01 s back-off alone)."""
     StandInFront.prompts, StandInFront.photos = [], []
     (tmp_path / "photo").write_bytes(photo)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), StandInFront)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        figures = overload.c_phase(overload.compile_c_client(tmp_path), f"127.0.0.1:{server.server_address[1]}",
-                                   tmp_path / "photo", users=1, seconds=1.5, timeout_s=5, backoff_base_s=0.01,
-                                   openai=True)
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_http(StandInFront) as address:
+        figures = overload.c_phase(overload.compile_c_client(tmp_path), address, tmp_path / "photo", users=1,
+                                   seconds=1.5, timeout_s=5, backoff_base_s=0.01, openai=True)
     assert figures["lost"] == 0, figures["lost_sample"]
     assert StandInFront.photos and set(StandInFront.photos) == {photo}
     assert all(p.startswith("What is it? (") for p in StandInFront.prompts)

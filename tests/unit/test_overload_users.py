@@ -7,12 +7,11 @@ import json
 import os
 import pathlib
 import shutil
-import threading
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx2
 import pytest
+from stand_in_http import StandInHandler, serving_http
 
 from tools import overload, overload_users
 
@@ -150,25 +149,16 @@ def test_a_generator_runs_at_the_niceness_asked(nice, prefix):
     assert overload.generator_argv(["gen", "a"], nice) == [*prefix, "gen", "a"]
 
 
-class StandInFront(BaseHTTPRequestHandler):
+class StandInFront(StandInHandler):
     """The OpenAI front's chat completions, answering every request; records the
     niceness of the process that sent it (the test process's child)."""
 
-    protocol_version = "HTTP/1.1"
     nices = []
 
     def do_POST(self):  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers["Content-Length"]))
         self.nices.append(children_nices())
-        answer = json.dumps(ANSWER).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, ANSWER)
 
 
 def children_nices():
@@ -189,11 +179,8 @@ def children_nices():
 @pytest.fixture
 def front():
     StandInFront.nices = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), StandInFront)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving_http(StandInFront) as address:
+        yield address
 
 
 def test_the_python_users_run_in_their_own_process_at_the_lowest_priority(front, tmp_path):
