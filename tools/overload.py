@@ -125,20 +125,26 @@ def summary(users, seconds, admitted, rejected, lost):
             "rejected_p50_ms": percentile_ms(rejected, 50), "rejected_p99_ms": percentile_ms(rejected, 99)}
 
 
-def parse_attempts(lines, window_s=None):
+def parse_attempts(lines, window_s=None, warmup_s=0.0, ends=None):
     """tools/overload_client.c's lines ("ok|refused|retry|lost:<why> <latency us> [<end us>]")
     -> (admitted, rejected latencies in s, lost reasons, retries). With `window_s`,
-    only the answers and refusals that ended within the phase's window count (the
-    drain after it is not the load's); every loss and every retry counts. A retry
-    is a request resent at once on a new connection because the server closed its
-    kept-alive one before any byte of an answer: neither an answer nor a loss."""
+    only the answers and refusals that ended within the measured window, the
+    `window_s` after the first `warmup_s` of the phase, count (neither the cold
+    start nor the drain after the window is the load's steady state); every loss
+    and every retry counts. A retry is a request resent at once on a new
+    connection because the server closed its kept-alive one before any byte of
+    an answer: neither an answer nor a loss. `ends`: a list that gets every
+    answer's end (s since the phase began), window or not (`timeline`)."""
     admitted, rejected, lost, retries = [], [], [], 0
     for line in lines:
         fields = line.split()
         if not fields:
             continue
         outcome, latency = fields[0], int(fields[1]) / 1e6
-        in_window = window_s is None or len(fields) < 3 or int(fields[2]) / 1e6 <= window_s
+        end = int(fields[2]) / 1e6 if len(fields) >= 3 else None
+        in_window = window_s is None or end is None or warmup_s < end <= warmup_s + window_s
+        if outcome == "ok" and ends is not None and end is not None:
+            ends.append(end)
         if outcome == "ok" and in_window:
             admitted.append(latency)
         elif outcome == "refused" and in_window:
@@ -150,6 +156,15 @@ def parse_attempts(lines, window_s=None):
     return admitted, rejected, lost, retries
 
 
+def timeline(ends, step_s=5.0):
+    """Answers per second in each `step_s` of a phase, from their ends (s since
+    it began): where the cold start ends and the steady state begins."""
+    if not ends:
+        return []
+    counts = collections.Counter(int(end // step_s) for end in ends)
+    return [round(counts[step] / step_s, 1) for step in range(max(counts) + 1)]
+
+
 def compile_c_client(workdir):
     binary = pathlib.Path(workdir) / "overload_client"
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -159,22 +174,26 @@ def compile_c_client(workdir):
     return binary
 
 
-def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False, nice=0):
-    """One phase driven by tools/overload_client.c (HTTP); the same figures as
-    python_phase, rates over the phase's `seconds` (answers that end in the
-    drain after it are left out). backoff_base_s 0: users resend at once.
-    openai: to the OpenAI front's chat completions (http_url its host:port).
-    nice: the generator's niceness (generator_argv)."""
+def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False, nice=0,
+            warmup_s=0.0):
+    """One phase driven by tools/overload_client.c (HTTP): `warmup_s`, then
+    the measured `seconds`; the same figures as python_phase, rates over the
+    measured seconds (answers that end in the warm-up or in the drain after
+    it are left out). backoff_base_s 0: users resend at once. openai: to the
+    OpenAI front's chat completions (http_url its host:port). nice: the
+    generator's niceness (generator_argv)."""
     host_name, port = http_url.rsplit(":", 1)
+    ends = []
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
         started, cpu_before = time.monotonic(), children_cpu_s()
-        subprocess.run(generator_argv([str(binary), host_name, port, ENSEMBLE, str(users), str(seconds),
+        subprocess.run(generator_argv([str(binary), host_name, port, ENSEMBLE, str(users), str(warmup_s + seconds),
                                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path),
                                        out.name, *(["openai"] if openai else [])], nice),
-                       check=True, timeout=seconds + timeout_s + 60)
+                       check=True, timeout=warmup_s + seconds + timeout_s + 60)
         elapsed = time.monotonic() - started
-        admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds)
+        admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds, warmup_s=warmup_s, ends=ends)
         figures = summary(users, seconds, admitted, rejected, lost)
+    figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline(ends))
     figures["retried"] = retries
     # What the load generator cost the shared cores (1.0 = one core all the time).
     figures["load_generator_cpu_share"] = round((children_cpu_s() - cpu_before) / elapsed, 3)
@@ -196,9 +215,10 @@ def python_phase_of(client, url, image_path, args):
     def drive(users, seconds):
         argv = [sys.executable, "-m", "tools.overload_users", client, url, str(image_path), str(users),
                 str(seconds), "--timeout-s", str(args.timeout_s), "--retries", str(args.client_retries),
-                "--backoff-s", str(args.backoff_s)]
+                "--backoff-s", str(args.backoff_s), "--warmup-s", str(args.warmup_s), "--sdk-http", args.sdk_http]
         done = subprocess.run(generator_argv(argv, args.generator_nice), cwd=REPO, check=True,
-                              stdout=subprocess.PIPE, text=True, timeout=seconds + args.timeout_s + 120)
+                              stdout=subprocess.PIPE, text=True,
+                              timeout=args.warmup_s + seconds + args.timeout_s + 120)
         return json.loads(done.stdout)
     return drive
 
@@ -270,8 +290,9 @@ class Stack:
     def drive(self, kind, args):
         """drive(users, seconds) -> a phase's figures, for one client kind."""
         def c(url, backoff, openai=False):
-            return lambda users, seconds: c_phase(self.binary, url, self.image_path, users, seconds,
-                                                  args.timeout_s, backoff, openai, nice=args.generator_nice)
+            return lambda users, seconds, warmup_s=args.warmup_s: c_phase(
+                self.binary, url, self.image_path, users, seconds, args.timeout_s, backoff, openai,
+                nice=args.generator_nice, warmup_s=warmup_s)
 
         def py(client, url):
             return lambda: python_phase_of(client, url, self.image_path, args)
@@ -312,7 +333,8 @@ def run(stack, args):
     sweep = None
     users = args.saturation
     if users is None:
-        users, sweep = saturating_users(reference, args)
+        # Short cold steps (--sweep-s, no warm-up): they only find the users that saturate.
+        users, sweep = saturating_users(lambda users, seconds: reference(users, seconds, warmup_s=0), args)
     log(f"saturation: {users} users")
     saturation = reference(users, args.phase_s)
     log(f"  {saturation['admitted_per_s']} answered/s, p99 {saturation['admitted_p99_ms']} ms")
@@ -398,7 +420,15 @@ def parse_args(argv):
     parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
     parser.add_argument("--max-users", type=int, default=256, help="the sweep stops here")
     parser.add_argument("--factor", type=int, default=10, help="--load-generator python only")
-    parser.add_argument("--phase-s", type=float, default=30)
+    parser.add_argument("--phase-s", type=float, default=30,
+                        help="the measured seconds of each phase, after its warm-up")
+    parser.add_argument("--warmup-s", type=float, default=60,
+                        help="seconds each phase runs before its measured --phase-s (every kind and the "
+                             "saturation alike; default 60: the front's longest Retry-After is 59 s, so a "
+                             "user refused at the start is back within it; docs/reliability.md#overload)")
+    parser.add_argument("--sdk-http", choices=("aiohttp", "httpx"), default="aiohttp",
+                        help="the openai SDK's HTTP client for openai-front (default aiohttp, the SDK's "
+                             "DefaultAioHttpClient, which README recommends for many concurrent requests)")
     parser.add_argument("--llm-latency-ms", type=float, default=1000,
                         help="the fake LLM's latency (1 s: the describe step holds requests like a real LLM)")
     parser.add_argument("--timeout-s", type=float, default=60)

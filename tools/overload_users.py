@@ -5,10 +5,11 @@ machines, and on a shared 2-core host it should take only the CPU the server
 leaves. Prints the phase's figures (JSON) on stdout.
 
     python -m tools.overload_users {grpc,http,openai} URL IMAGE USERS SECONDS
-        [--timeout-s S] [--retries N] [--backoff-s S]
+        [--timeout-s S] [--retries N] [--backoff-s S] [--warmup-s S] [--sdk-http aiohttp|httpx]
 
 grpc, http: classify_describe.AsyncClient(retries=N) to Triton (URL host:port);
-openai: the openai SDK (max_retries=N) to the OpenAI front (URL .../v1). One
+openai: the openai SDK (max_retries=N) to the OpenAI front (URL .../v1), on
+the SDK's aiohttp client (--sdk-http; its httpx default costs 4x). One
 client per process, shared by every user, as one application serving many
 users holds one.
 """
@@ -27,20 +28,20 @@ import time
 
 import httpx2
 
-from tools.overload import ENSEMBLE, summary
+from tools.overload import ENSEMBLE, summary, timeline
 
 
 async def users_phase(request, users, seconds, clock=time.monotonic):
     """Closed-loop users of a Python client: each sends `request(number)` (which
     retries as that client does), waits for it and sends the next, for
     `seconds`; then every unfinished request is cancelled (neither answered
-    nor lost). -> (answer latencies, lost reasons): the answers that ended
-    within `seconds` of the start (a generator short of CPU wakes up late
-    from its sleep, and answers after the window are not the window's), and
-    every loss, as the C generator counts them."""
+    nor lost). -> (answers, lost reasons): every answer as (its end in s since
+    the start, its latency), and every loss, as the C generator counts them.
+    A generator short of CPU wakes up late from its sleep: `in_window` keeps
+    only the answers that ended within the window."""
     answered, lost = [], []
     numbers = itertools.count()
-    window_end = clock() + seconds
+    start = clock()
 
     async def user():
         while True:
@@ -51,8 +52,7 @@ async def users_phase(request, users, seconds, clock=time.monotonic):
                 lost.append(f"{type(error).__name__}: {str(error)[:160]}")
                 continue
             ended = clock()
-            if ended <= window_end:
-                answered.append(ended - started)
+            answered.append((ended - start, ended - started))
 
     tasks = [asyncio.ensure_future(user()) for _ in range(users)]
     await asyncio.sleep(seconds)
@@ -62,24 +62,33 @@ async def users_phase(request, users, seconds, clock=time.monotonic):
     return answered, lost
 
 
-def python_kind_phase(make_request, users, seconds):
-    """users_phase in a new event loop; `make_request(users)` -> (request,
-    counts, close), counts() a dict of what the client saw (at least
-    "rejected": its resends after a refusal). Figures as tools/overload.py's
-    c_phase; latencies include the retries. The CPU is this process's during
-    the phase (the imports and the client's construction before it are not
-    counted: a running application has done them once)."""
+def in_window(answers, warmup_s, seconds):
+    """The latencies of the answers (end, latency) that ended within the
+    measured window: the `seconds` after the first `warmup_s` (as
+    tools/overload.py's parse_attempts for the C generator)."""
+    return [latency for end, latency in answers if warmup_s < end <= warmup_s + seconds]
+
+
+def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
+    """users_phase for `warmup_s` + `seconds` in a new event loop;
+    `make_request(users)` -> (request, counts, close), counts() a dict of what
+    the client saw (at least "rejected": its resends after a refusal). Figures
+    as tools/overload.py's c_phase, over the measured `seconds`; latencies
+    include the retries. The CPU is this process's during the phase (the
+    imports and the client's construction before it are not counted: a
+    running application has done them once)."""
     async def main():
         request, counts, close = make_request(users)
         cpu_before, started = time.process_time(), time.monotonic()
         try:
-            answered, lost = await users_phase(request, users, seconds)
+            answers, lost = await users_phase(request, users, warmup_s + seconds)
         finally:
             await close()
-        return answered, lost, counts(), time.process_time() - cpu_before, time.monotonic() - started
+        return answers, lost, counts(), time.process_time() - cpu_before, time.monotonic() - started
 
-    answered, lost, counts, cpu_s, elapsed_s = asyncio.run(main())
-    figures = summary(users, seconds, answered, [], lost)
+    answers, lost, counts, cpu_s, elapsed_s = asyncio.run(main())
+    figures = summary(users, seconds, in_window(answers, warmup_s, seconds), [], lost)
+    figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline([end for end, _ in answers]))
     figures.update(counts)  # "rejected": resends seen by the client; their latency is inside the answers'
     # Over the phase as it lasted (a generator short of CPU ends late), as c_phase.
     figures["load_generator_cpu_share"] = round(cpu_s / elapsed_s, 3)
@@ -110,17 +119,22 @@ def project_client(url, protocol, image, timeout_s, retries, backoff_s):
     return make
 
 
-def openai_sdk(base_url, image, timeout_s, retries, transport=None):
+def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohttp"):
     """The openai SDK against the front: its own retries, which honour
     Retry-After. One AsyncOpenAI (one connection pool, sized for the users)
-    for all users. Counts every attempt the SDK makes (its retries are
-    invisible to the caller): "attempts" (those still in flight when the
-    phase ends included), "rejected" (503 answers: the
-    front's refusals) and "no_answer" (attempts that got no answer at all,
-    e.g. a connection closed while the SDK still wrote its body; the SDK
-    retries those with its own back-off, not the front's Retry-After), with
-    "no_answer_reasons" (exception name -> count). `transport`: the one under
-    the count, for tests (default: httpx's own, pooled for the users).
+    for all users, on `http`: "aiohttp", the SDK's DefaultAioHttpClient (the
+    `openai[aiohttp]` extra, which its README advises for concurrency; about
+    a quarter of httpx's CPU per attempt with thousands of connections, whose
+    pool httpx scans on every request), or "httpx", its default. Counts every
+    attempt the SDK makes (its retries are invisible to the caller):
+    "attempts" (those still in flight when the phase ends included),
+    "rejected" (503 answers: the front's refusals), "retry_after_s" (the
+    refusals by the Retry-After they carried) and "no_answer" (attempts that
+    got no answer at all, e.g. a connection closed while the SDK still wrote
+    its body; the SDK retries those with its own back-off, not the front's
+    Retry-After), with "no_answer_reasons" (exception name -> count).
+    `transport`: the one under the count, for tests (default: `http`'s own,
+    pooled for the users).
 
     Each request is the very body `chat.completions.create` would send (the
     same bytes; tests/unit/test_overload_users.py), but encoded once: create
@@ -129,15 +143,19 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None):
     stands for would pay on their own machines. Sent with the SDK's own
     `post`, so its retries and response parsing are create's."""
     import openai
+    from openai._vendor.httpx_aiohttp import AiohttpTransport
     from openai.types.chat import ChatCompletion
 
     head, tail = chat_body_around_prompt(image)
+    aio = http == "aiohttp"
 
     def make(users):
         limits = httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
-        counting = CountingTransport(transport or httpx2.AsyncHTTPTransport(limits=limits))
+        inner = transport or (AiohttpTransport(limits=limits) if aio else httpx2.AsyncHTTPTransport(limits=limits))
+        counting = CountingTransport(inner)
+        http_client = (openai.DefaultAioHttpClient if aio else openai.DefaultAsyncHttpxClient)(transport=counting)
         client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", max_retries=retries,
-                                    timeout=timeout_s, http_client=openai.DefaultAsyncHttpxClient(transport=counting))
+                                    timeout=timeout_s, http_client=http_client)
         tag = f"{random.getrandbits(32):08x}"
 
         async def request(number):
@@ -165,12 +183,12 @@ def chat_body_around_prompt(image):
 
 class CountingTransport(httpx2.AsyncBaseTransport):
     """Every attempt sent through `inner`, and how each ended: answered (503:
-    refused) or not answered at all (by exception name)."""
+    refused, by its Retry-After) or not answered at all (by exception name)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.attempts, self.rejected = 0, 0
-        self.no_answer = collections.Counter()
+        self.no_answer, self.retry_after = collections.Counter(), collections.Counter()
 
     async def handle_async_request(self, request):
         self.attempts += 1
@@ -179,7 +197,9 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         except Exception as error:
             self.no_answer[type(error).__name__] += 1
             raise
-        self.rejected += response.status_code == 503
+        if response.status_code == 503:
+            self.rejected += 1
+            self.retry_after[response.headers.get("retry-after", "none")] += 1
         return response
 
     async def aclose(self):
@@ -187,7 +207,15 @@ class CountingTransport(httpx2.AsyncBaseTransport):
 
     def counts(self):
         return {"attempts": self.attempts, "rejected": self.rejected,
-                "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer)}
+                "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer),
+                "retry_after_s": dict(sorted(self.retry_after.items(), key=lambda item: _number(item[0])))}
+
+
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return float("inf")
 
 
 def main(argv=None):
@@ -200,13 +228,15 @@ def main(argv=None):
     parser.add_argument("--timeout-s", type=float, default=60)
     parser.add_argument("--retries", type=int, default=50)
     parser.add_argument("--backoff-s", type=float, default=0.5)
+    parser.add_argument("--warmup-s", type=float, default=0.0, help="seconds before the measured SECONDS")
+    parser.add_argument("--sdk-http", choices=("aiohttp", "httpx"), default="aiohttp")
     args = parser.parse_args(argv)
     image = args.image.read_bytes()  # once: every user sends the same photo
     if args.client == "openai":
-        make = openai_sdk(args.url, image, args.timeout_s, args.retries)
+        make = openai_sdk(args.url, image, args.timeout_s, args.retries, http=args.sdk_http)
     else:
         make = project_client(args.url, args.client, image, args.timeout_s, args.retries, args.backoff_s)
-    print(json.dumps(python_kind_phase(make, args.users, args.seconds)))
+    print(json.dumps(python_kind_phase(make, args.users, args.seconds, args.warmup_s)))
     return 0
 
 

@@ -33,6 +33,22 @@ def test_only_what_ends_within_the_phase_counts_but_every_loss_does():
     assert admitted == [1.0] and rejected == [0.001] and lost == ["lost:timeout"] and retries == 1
 
 
+def test_after_a_warm_up_only_what_ends_within_the_measured_window_counts():
+    """A 1 s warm-up, then 1.5 s measured: ends at 0.9 s (warm-up) and 2.6 s
+    (after) are left out; every answer's end goes to the timeline."""
+    lines = ["ok 500000 900000\n", "ok 600000 1200000\n", "ok 700000 2500000\n", "ok 800000 2600000\n",
+             "refused 1000 800000\n", "refused 2000 1100000\n", "lost:recv 1000 500000\n"]
+    ends = []
+    admitted, rejected, lost, retries = overload.parse_attempts(lines, window_s=1.5, warmup_s=1.0, ends=ends)
+    assert admitted == [0.6, 0.7] and rejected == [0.002] and lost == ["lost:recv"] and retries == 0
+    assert ends == [0.9, 1.2, 2.5, 2.6]
+
+
+def test_a_timeline_gives_answers_per_second_in_each_step():
+    assert overload.timeline([0.1, 4.9, 5.0, 12.0], step_s=5.0) == [0.4, 0.2, 0.2]
+    assert overload.timeline([]) == []
+
+
 class StandInTriton(StandInHandler):
     """Triton's HTTP infer endpoint as the C client sees it: the binary tensor
     extension read and checked; every other request refused as a full queue."""

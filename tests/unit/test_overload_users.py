@@ -47,8 +47,17 @@ def test_only_the_answers_that_end_within_the_window_count():
         if number >= 4:
             await asyncio.Event().wait()
 
-    answered, lost = asyncio.run(overload_users.users_phase(request, users=1, seconds=0.05, clock=lambda: now[0]))
-    assert answered == pytest.approx([0.02, 0.02]) and lost == ["RuntimeError: refused for good"]
+    answers, lost = asyncio.run(overload_users.users_phase(request, users=1, seconds=0.05, clock=lambda: now[0]))
+    assert [end for end, _ in answers] == pytest.approx([0.02, 0.04, 0.06]) and lost == ["RuntimeError: refused for good"]
+    assert overload_users.in_window(answers, warmup_s=0, seconds=0.05) == pytest.approx([0.02, 0.02])
+
+
+def test_with_a_warm_up_only_the_answers_after_it_count():
+    """Answers ending at 1, 2, 3, 4 s; a 1.5 s warm-up and a 2 s window keep
+    those ending at 2 and 3 s (the one at 3.5 s, the window's end, would count)."""
+    answers = [(1.0, 0.5), (2.0, 0.6), (3.0, 0.7), (4.0, 0.8)]
+    assert overload_users.in_window(answers, warmup_s=1.5, seconds=2.0) == [0.6, 0.7]
+    assert overload_users.in_window(answers, warmup_s=0.0, seconds=2.0) == [0.5, 0.6]
 
 
 def sdk_phase(handler, retries=3):
@@ -88,17 +97,22 @@ def test_the_sdks_hidden_attempts_are_counted_refusals_and_no_answers_apart():
 
     answered, lost, counts = sdk_phase(handler)
     assert (answered, lost) == (2, [])
-    assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1}}
+    assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1},
+                      "retry_after_s": {"0.01": 1}}
     assert attempts[0] == attempts[1] == attempts[2] != attempts[3]  # the SDK resent request 0 itself
 
 
 def test_a_request_refused_past_the_sdks_retries_is_lost_and_each_refusal_counted():
+    waits = iter(["0.02", "0.01", None, "0.01"])
+
     def handler(request):
-        return httpx2.Response(503, headers={"Retry-After": "0.01"}, json={"error": {"message": "busy"}})
+        wait = next(waits)
+        return httpx2.Response(503, headers={"Retry-After": wait} if wait else {}, json={"error": {"message": "busy"}})
 
     answered, lost, counts = sdk_phase(handler, retries=1)
     assert answered == 0 and lost == ["InternalServerError", "InternalServerError"]
-    assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {}}
+    assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {},
+                      "retry_after_s": {"0.01": 2, "0.02": 1, "none": 1}}  # by Retry-After, in order
 
 
 def test_each_request_is_the_body_and_headers_chat_completions_create_sends():
@@ -185,7 +199,8 @@ def front():
 
 def test_the_python_users_run_in_their_own_process_at_the_lowest_priority(front, tmp_path):
     (tmp_path / "photo").write_bytes(b"photo")
-    args = types.SimpleNamespace(timeout_s=5, client_retries=2, backoff_s=0.5, generator_nice=19)
+    args = types.SimpleNamespace(timeout_s=5, client_retries=2, backoff_s=0.5, generator_nice=19, warmup_s=0.5,
+                                 sdk_http="aiohttp")
     figures = overload.python_phase_of("openai", f"http://{front}/v1", tmp_path / "photo", args)(1, 1.0)
     assert figures["load_generator_nice"] == 19 and figures["users"] == 1
     assert figures["admitted"] >= 1 and figures["lost"] == 0 and figures["rejected"] == 0
