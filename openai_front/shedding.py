@@ -17,7 +17,14 @@ asks each refused client to come back after about waiting / (2 x finished per
 second): then about two attempts arrive for each slot that frees, enough to
 keep the slots full and few enough to cost little. Drawn at random around
 that mean (1 to 2 x mean), so clients refused together come back spread out.
-The openai SDK honours a Retry-After of up to 60 s (MAX_RETRY_AFTER_S).
+Before the window holds an answer (a cold start, or answers slower than the
+window) the pace is taken as one answer per window, the least it could have
+seen: a lone refusal still gets 1 s, but a crowd arriving at once is spread
+at once. Answering every refusal with 1 s until the first answer brought a
+crowd of 2,432 refused clients back every second, each with its photo to
+send and to be read, for as long as the first answers took.
+The openai SDK waits as asked for a Retry-After of up to 120 s and does not
+retry at all past it; at most MAX_RETRY_AFTER_S - 1 is sent.
 
 A refused client is still sending its body when its 503 goes out. Closing the
 connection on it would reset it (the kernel answers data sent to a closed
@@ -42,7 +49,7 @@ from .errors import unavailable
 # /metrics are never shed.
 SHED_PATHS = frozenset({"/v1/chat/completions"})
 WINDOW_S = 10.0
-MAX_RETRY_AFTER_S = 60  # the openai SDK waits as asked up to 60 s, and falls back to its own back-off past it
+MAX_RETRY_AFTER_S = 60  # under the openai SDK's 120 s, past which it gives up instead of waiting
 ATTEMPTS_PER_FREED_SLOT = 2
 
 
@@ -68,11 +75,10 @@ class RetryAfter:
         self._forget_before(now)
 
     def mean_s(self):
-        """The mean wait to ask for now (1 when nothing finished yet)."""
+        """The mean wait to ask for now (at least 1 s)."""
         self._forget_before(self.clock())
-        finished_per_s = len(self.finished) / WINDOW_S
-        if not finished_per_s:
-            return 1.0
+        # Nothing finished yet: as if one answer had, the slowest pace the window can show.
+        finished_per_s = max(len(self.finished), 1) / WINDOW_S
         waiting = self.refused_wait_s / WINDOW_S  # clients away at any moment (Little's law)
         return min(max(waiting / (ATTEMPTS_PER_FREED_SLOT * finished_per_s), 1.0), MAX_RETRY_AFTER_S / 2)
 

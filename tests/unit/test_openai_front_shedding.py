@@ -63,9 +63,36 @@ def test_a_fixed_one_second_would_refuse_twenty_times_per_answer():
     assert refused > 15 * answered
 
 
-def test_nothing_finished_yet_means_one_second():
+def test_a_lone_refusal_before_any_answer_gets_one_second():
     shedder = RetryAfter(clock=lambda: 0.0, rng=random.Random(0))
-    assert {shedder.refuse() for _ in range(50)} == {1}
+    assert [shedder.refuse() for _ in range(3)] == [1, 1, 1]
+
+
+def test_a_crowd_arriving_at_once_before_any_answer_is_spread_at_once():
+    """20x the slots arrive within 50 ms, the first answer 3 s later: each
+    refused client is refused about once before it, not once per second (a
+    Retry-After of 1 s until the first answer refused them three times), and
+    the slots still stay busy from the start."""
+    clients, limit, service_s = 128 * 20, 128, 3.0
+    now = [0.0]
+    shedder = RetryAfter(clock=lambda: now[0], rng=random.Random(1))
+    events = [(random.Random(2).uniform(0, 0.05), "attempt") for _ in range(clients)]
+    heapq.heapify(events)
+    in_flight, answers, refused_early = 0, 0, 0
+    while events and events[0][0] <= 30:
+        now[0], kind = heapq.heappop(events)
+        if kind == "finish":
+            in_flight, answers = in_flight - 1, answers + 1
+            shedder.finish()
+            heapq.heappush(events, (now[0], "attempt"))
+        elif in_flight < limit:
+            in_flight += 1
+            heapq.heappush(events, (now[0] + service_s, "finish"))
+        else:
+            refused_early += now[0] < service_s
+            heapq.heappush(events, (now[0] + shedder.refuse(), "attempt"))
+    assert refused_early <= 1.1 * (clients - limit), f"{refused_early} refusals before the first answer"
+    assert answers / 30 >= 0.85 * limit / service_s, "slots went idle in the first 30 s"
 
 
 def test_the_window_forgets():
