@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import base64
 import collections
+import contextvars
 import itertools
 import json
 import os
@@ -129,7 +130,9 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohtt
     attempt the SDK makes (its retries are invisible to the caller):
     "attempts" (those still in flight when the phase ends included),
     "rejected" (503 answers: the front's refusals), "retry_after_s" (the
-    refusals by the Retry-After they carried) and "no_answer" (attempts that
+    refusals by the Retry-After they carried), "refusals_before_answer"
+    (answered requests by how many times the SDK was refused first: against
+    its max_retries) and "no_answer" (attempts that
     got no answer at all, e.g. a connection closed while the SDK still wrote
     its body; the SDK retries those with its own back-off, not the front's
     Retry-After), with "no_answer_reasons" (exception name -> count).
@@ -152,7 +155,7 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohtt
     def make(users):
         limits = httpx2.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
         inner = transport or (AiohttpTransport(limits=limits) if aio else httpx2.AsyncHTTPTransport(limits=limits))
-        counting = CountingTransport(inner)
+        counting = CountingTransport(inner, refusals_of_request)
         http_client = (openai.DefaultAioHttpClient if aio else openai.DefaultAsyncHttpxClient)(transport=counting)
         client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", max_retries=retries,
                                     timeout=timeout_s, http_client=http_client)
@@ -162,7 +165,10 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohtt
             # A new prompt each time: the describe step's answer cache would
             # otherwise hide the LLM's latency.
             prompt = json.dumps(f"What is it? ({tag}-{number})", ensure_ascii=False).encode()
+            refused = [0]  # the SDK's attempts run in this task: the transport counts its refusals here
+            refusals_of_request.set(refused)
             await client.post("/chat/completions", cast_to=ChatCompletion, content=head + prompt + tail)
+            counting.refusals_before_answer[refused[0]] += 1
 
         return request, counting.counts, client.close
     return make
@@ -181,14 +187,21 @@ def chat_body_around_prompt(image):
     return head, tail
 
 
+# The refusals of the request the current task is sending ([count]), if it keeps one.
+refusals_of_request = contextvars.ContextVar("refusals_of_request", default=None)
+
+
 class CountingTransport(httpx2.AsyncBaseTransport):
     """Every attempt sent through `inner`, and how each ended: answered (503:
-    refused, by its Retry-After) or not answered at all (by exception name)."""
+    refused, by its Retry-After) or not answered at all (by exception name).
+    A refusal also counts in `refusals` (a ContextVar of [count]) where the
+    caller keeps one for the request."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, refusals=refusals_of_request):
+        self.inner, self.refusals = inner, refusals
         self.attempts, self.rejected = 0, 0
         self.no_answer, self.retry_after = collections.Counter(), collections.Counter()
+        self.refusals_before_answer = collections.Counter()  # kept by the caller
 
     async def handle_async_request(self, request):
         self.attempts += 1
@@ -200,6 +213,8 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         if response.status_code == 503:
             self.rejected += 1
             self.retry_after[response.headers.get("retry-after", "none")] += 1
+            if (refused := self.refusals.get()) is not None:
+                refused[0] += 1
         return response
 
     async def aclose(self):
@@ -208,7 +223,8 @@ class CountingTransport(httpx2.AsyncBaseTransport):
     def counts(self):
         return {"attempts": self.attempts, "rejected": self.rejected,
                 "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer),
-                "retry_after_s": dict(sorted(self.retry_after.items(), key=lambda item: _number(item[0])))}
+                "retry_after_s": dict(sorted(self.retry_after.items(), key=lambda item: _number(item[0]))),
+                "refusals_before_answer": dict(sorted(self.refusals_before_answer.items()))}
 
 
 def _number(text):

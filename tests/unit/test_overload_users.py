@@ -98,7 +98,7 @@ def test_the_sdks_hidden_attempts_are_counted_refusals_and_no_answers_apart():
     answered, lost, counts = sdk_phase(handler)
     assert (answered, lost) == (2, [])
     assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1},
-                      "retry_after_s": {"0.01": 1}}
+                      "retry_after_s": {"0.01": 1}, "refusals_before_answer": {0: 1, 1: 1}}
     assert attempts[0] == attempts[1] == attempts[2] != attempts[3]  # the SDK resent request 0 itself
 
 
@@ -112,7 +112,8 @@ def test_a_request_refused_past_the_sdks_retries_is_lost_and_each_refusal_counte
     answered, lost, counts = sdk_phase(handler, retries=1)
     assert answered == 0 and lost == ["InternalServerError", "InternalServerError"]
     assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {},
-                      "retry_after_s": {"0.01": 2, "0.02": 1, "none": 1}}  # by Retry-After, in order
+                      "retry_after_s": {"0.01": 2, "0.02": 1, "none": 1},  # by Retry-After, in order
+                      "refusals_before_answer": {}}
 
 
 def test_each_request_is_the_body_and_headers_chat_completions_create_sends():
