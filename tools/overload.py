@@ -4,18 +4,23 @@ One run: the fake LLM (1 s), one tritonserver with its OpenAI front, and the
 shedding proxy shipped in deploy/nginx in front of its HTTP port. First the
 saturating concurrency: the fewest users (16, 32, ...) within 5 % of the best
 throughput (`--saturation N` skips the sweep), measured with C users that
-back off. Then, for `--phase-s` each, every client kind (KINDS, `--kinds`) at
-each overload factor (`--factors`, default 20x the saturating users):
+back off. Then every client kind (KINDS, `--kinds`) at each overload factor
+(`--factors`, default 20x the saturating users). Each phase, the saturation's
+too, runs `--warmup-s` before its measured `--phase-s`: goodput is the
+steady state, not the instant thousands of users start together (a client
+following the front's Retry-After of up to 59 s comes back about once a
+minute); `answered_per_s_by_5s` shows the whole phase, cold start included.
 
   resend-bare        C users that resend a refusal at once, to Triton's HTTP port
   resend-proxy       the same, through the shedding proxy
   backoff-bare       C users with the clients' back-off (full jitter, Retry-After)
   client-grpc        classify_describe.AsyncClient(retries=), gRPC to Triton
   client-http-proxy  classify_describe.AsyncClient(retries=), HTTP through the proxy
-  openai-front       the openai SDK (its own retries honour Retry-After) to the front
+  openai-front       the openai SDK (its own retries honour Retry-After; on its aiohttp
+                     client, `--sdk-http`) to the front
   backoff-front      C users with the clients' back-off (Retry-After honoured) to the front
 
-Per kind and factor: answered per second within the phase and its share of
+Per kind and factor: answered per second within the measured window and its share of
 saturation's (goodput), answer latency, refusals, lost (any other error, or
 no answer within `--timeout-s`), and the load generator's CPU. The C users
 (tools/overload_client.c, compiled here with `cc -O2`; one epoll thread, one
