@@ -146,7 +146,7 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohtt
     stands for would pay on their own machines. Sent with the SDK's own
     `post`, so its retries and response parsing are create's."""
     import openai
-    from openai._vendor.httpx_aiohttp import AiohttpTransport
+    from openai._vendor.httpx_aiohttp import AiohttpTransport  # DefaultAioHttpClient's, for the count to wrap
     from openai.types.chat import ChatCompletion
 
     head, tail = chat_body_around_prompt(image)
