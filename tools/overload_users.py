@@ -81,21 +81,34 @@ def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
     async def main():
         request, counts, close = make_request(users)
         cpu_before, started = time.process_time(), time.monotonic()
+        at_window = {}  # the client's counts when the warm-up ends
+        asyncio.get_running_loop().call_later(warmup_s, lambda: at_window.update(counts()))
         try:
             answers, lost = await users_phase(request, users, warmup_s + seconds)
         finally:
             await close()
-        return answers, lost, counts(), time.process_time() - cpu_before, time.monotonic() - started
+        return (answers, lost, counted_since(counts(), at_window), time.process_time() - cpu_before,
+                time.monotonic() - started)
 
     answers, lost, counts, cpu_s, elapsed_s = asyncio.run(main())
     figures = summary(users, seconds, in_window(answers, warmup_s, seconds), [], lost)
     figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline([end for end, _ in answers]))
-    figures.update(counts)  # "rejected": resends seen by the client; their latency is inside the answers'
+    # Over the measured window, as the C generator's refusals: "rejected", the resends
+    # seen by the client (their latency is inside the answers').
+    figures.update(counts)
     # Over the phase as it lasted (a generator short of CPU ends late), as c_phase.
     figures["load_generator_cpu_share"] = round(cpu_s / elapsed_s, 3)
     # A fact read from the process, not the setting: what the scheduler gave it.
     figures["load_generator_nice"] = os.getpriority(os.PRIO_PROCESS, 0)
     return figures
+
+
+def counted_since(after, before):
+    """What a client counted since `before`, key by key (nested counts too)."""
+    if isinstance(after, dict):
+        return {key: counted_since(value, before.get(key, {} if isinstance(value, dict) else 0))
+                for key, value in after.items()}
+    return after - before
 
 
 def project_client(url, protocol, image, timeout_s, retries, backoff_s):
