@@ -27,9 +27,15 @@ import math
 import random
 import time
 
+# The defaults; tools/overload_client.c's THROTTLE_* copy them (a unit test keeps them equal).
+DEFAULT_K = 2.0
+WINDOW_S = 30.0
+MIN_REQUESTS = 20
+
 
 class AdaptiveThrottle:
-    def __init__(self, k=2.0, window_s=30.0, min_requests=20, clock=time.monotonic, rand=random.random):
+    def __init__(self, k=DEFAULT_K, window_s=WINDOW_S, min_requests=MIN_REQUESTS, clock=time.monotonic,
+                 rand=random.random):
         if k < 1.0:
             raise ValueError("k must be at least 1 (k < 1 refuses requests the server would accept)")
         if window_s <= 0 or min_requests < 0:

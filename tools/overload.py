@@ -13,7 +13,8 @@ minute); `answered_per_s_by_5s` shows the whole phase, cold start included.
 
   resend-bare        C users that resend a refusal at once, to Triton's HTTP port
   resend-proxy       the same, through the shedding proxy
-  backoff-bare       C users with the clients' back-off (full jitter, Retry-After)
+  backoff-bare       C users with the clients' back-off (full jitter, Retry-After) and
+                     their adaptive throttle (classify_describe/throttle.py; --throttle-k)
   client-grpc        classify_describe.AsyncClient(retries=), gRPC to Triton
   client-http-proxy  classify_describe.AsyncClient(retries=), HTTP through the proxy
   openai-front       the openai SDK (its own retries honour Retry-After; on its aiohttp
@@ -48,6 +49,7 @@ import asyncio
 import collections
 import itertools
 import json
+import os
 import pathlib
 import random
 import resource
@@ -59,6 +61,7 @@ import time
 
 import numpy as np
 
+from classify_describe import throttle  # and their adaptive throttle (backoff-bare)
 from classify_describe.client import backoff_s  # the clients' own back-off
 from tools import host
 from tools.local_stack import FakeLLM, TritonServer
@@ -130,7 +133,7 @@ def summary(users, seconds, admitted, rejected, lost):
             "rejected_p50_ms": percentile_ms(rejected, 50), "rejected_p99_ms": percentile_ms(rejected, 99)}
 
 
-def parse_attempts(lines, window_s=None, warmup_s=0.0, ends=None):
+def parse_attempts(lines, window_s=None, warmup_s=0.0, ends=None, counts=None):
     """tools/overload_client.c's lines ("ok|refused|retry|lost:<why> <latency us> [<end us>]")
     -> (admitted, rejected latencies in s, lost reasons, retries). With `window_s`,
     only the answers and refusals that ended within the measured window, the
@@ -139,7 +142,8 @@ def parse_attempts(lines, window_s=None, warmup_s=0.0, ends=None):
     and every retry counts. A retry is a request resent at once on a new
     connection because the server closed its kept-alive one before any byte of
     an answer: neither an answer nor a loss. `ends`: a list that gets every
-    answer's end (s since the phase began), window or not (`timeline`)."""
+    answer's end (s since the phase began), window or not (`timeline`).
+    `counts`: a Counter that gets the other outcomes in the window (`throttled`)."""
     admitted, rejected, lost, retries = [], [], [], 0
     for line in lines:
         fields = line.split()
@@ -158,6 +162,8 @@ def parse_attempts(lines, window_s=None, warmup_s=0.0, ends=None):
             lost.append(outcome)
         elif outcome == "retry":
             retries += 1
+        elif counts is not None and in_window:
+            counts[outcome] += 1
     return admitted, rejected, lost, retries
 
 
@@ -175,29 +181,35 @@ def compile_c_client(workdir):
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("overload: no C compiler (cc) for tools/overload_client.c; or --load-generator python")
-    subprocess.run([compiler, "-O2", "-o", str(binary), str(C_SOURCE)], check=True)
+    subprocess.run([compiler, "-O2", "-o", str(binary), str(C_SOURCE), "-lm"], check=True)
     return binary
 
 
 def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False, nice=0,
-            warmup_s=0.0):
+            warmup_s=0.0, throttle_k=0.0):
     """One phase driven by tools/overload_client.c (HTTP): `warmup_s`, then
     the measured `seconds`; the same figures as python_phase, rates over the
     measured seconds (answers that end in the warm-up or in the drain after
     it are left out). backoff_base_s 0: users resend at once. openai: to the
     OpenAI front's chat completions (http_url its host:port). nice: the
-    generator's niceness (generator_argv)."""
+    generator's niceness (generator_argv). throttle_k > 0: the back-off users
+    share classify_describe's adaptive throttle with that k; the attempts it
+    refused unsent in the window are `throttled`."""
     host_name, port = http_url.rsplit(":", 1)
-    ends = []
+    ends, counts = [], collections.Counter()
+    env = dict(os.environ, THROTTLE_K=str(throttle_k)) if throttle_k else None
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
         started, cpu_before = time.monotonic(), children_cpu_s()
         subprocess.run(generator_argv([str(binary), host_name, port, ENSEMBLE, str(users), str(warmup_s + seconds),
                                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path),
                                        out.name, *(["openai"] if openai else [])], nice),
-                       check=True, timeout=warmup_s + seconds + timeout_s + 60)
+                       check=True, timeout=warmup_s + seconds + timeout_s + 60, env=env)
         elapsed = time.monotonic() - started
-        admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds, warmup_s=warmup_s, ends=ends)
+        admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds, warmup_s=warmup_s, ends=ends,
+                                                           counts=counts)
         figures = summary(users, seconds, admitted, rejected, lost)
+    if throttle_k:
+        figures["throttled"] = counts["throttled"]
     figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline(ends))
     figures["retried"] = retries
     # What the load generator cost the shared cores (1.0 = one core all the time).
@@ -258,7 +270,8 @@ KINDS = {
     "resend-bare": dict(path="Triton HTTP", client="C generator, resends at once", judged=None),
     "resend-proxy": dict(path="nginx shed proxy -> Triton HTTP", client="C generator, resends at once",
                          judged=0.6),
-    "backoff-bare": dict(path="Triton HTTP", client="C generator, back-off + jitter + Retry-After", judged=0.8),
+    "backoff-bare": dict(path="Triton HTTP", client="C generator, back-off + jitter + Retry-After + throttle",
+                         judged=0.8),
     "client-grpc": dict(path="Triton gRPC", client="classify_describe.AsyncClient(retries=)", judged=0.8),
     "client-http-proxy": dict(path="nginx shed proxy -> Triton HTTP",
                               client="classify_describe.AsyncClient(retries=)", judged=0.8),
@@ -294,10 +307,10 @@ class Stack:
 
     def drive(self, kind, args):
         """drive(users, seconds) -> a phase's figures, for one client kind."""
-        def c(url, backoff, openai=False):
+        def c(url, backoff, openai=False, throttle_k=0.0):
             return lambda users, seconds, warmup_s=args.warmup_s: c_phase(
                 self.binary, url, self.image_path, users, seconds, args.timeout_s, backoff, openai,
-                nice=args.generator_nice, warmup_s=warmup_s)
+                nice=args.generator_nice, warmup_s=warmup_s, throttle_k=throttle_k)
 
         def py(client, url):
             return lambda: python_phase_of(client, url, self.image_path, args)
@@ -305,7 +318,8 @@ class Stack:
         return {
             "resend-bare": lambda: c(self.http_url, 0),
             "resend-proxy": lambda: c(self.proxy_url, 0),
-            "backoff-bare": lambda: c(self.http_url, args.backoff_s),
+            # The documented policy for tritonclient users (README "Under overload"), throttle included.
+            "backoff-bare": lambda: c(self.http_url, args.backoff_s, throttle_k=args.throttle_k),
             "client-grpc": py("grpc", self.grpc_url),
             "client-http-proxy": py("http", self.proxy_url),
             "openai-front": py("openai", self.openai_base_url),
@@ -371,7 +385,7 @@ def table(saturation, phases):
     """The figures as docs/reliability.md#overload shows them (Markdown)."""
     rows = ["| client | path | overload | users | answered/s | share of saturation | answer p50 | answer p99 "
             "| refused | lost | load generator CPU |", "| --- " * 11 + "|"]
-    for p in [dict(saturation, client="C generator, back-off + jitter + Retry-After", path="Triton HTTP",
+    for p in [dict(saturation, client=KINDS["backoff-bare"]["client"], path="Triton HTTP",
                    factor=1, goodput_share=1.0), *phases]:
         rows.append(f"| {p['client']} | {p['path']} | {p['factor']}x | {p['users']} | {p['admitted_per_s']} | "
                     f"{p['goodput_share']} | {_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
@@ -438,6 +452,8 @@ def parse_args(argv):
                         help="the fake LLM's latency (1 s: the describe step holds requests like a real LLM)")
     parser.add_argument("--timeout-s", type=float, default=60)
     parser.add_argument("--backoff-s", type=float, default=0.5, help="as the client's retry_backoff_s")
+    parser.add_argument("--throttle-k", type=float, default=throttle.DEFAULT_K,
+                        help="backoff-bare's adaptive throttle, as classify_describe's (0: none)")
     parser.add_argument("--client-retries", type=int, default=50,
                         help="the Python clients' retries (the project client's retries=, the SDK's max_retries)")
     parser.add_argument("--generator-nice", type=int, default=0,

@@ -25,6 +25,12 @@
  *
  *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai]
  *
+ * With THROTTLE_K in the environment (> 0; back-off users only) the users
+ * share classify_describe's adaptive throttle (classify_describe/throttle.py,
+ * the same rule and defaults: k, a 30 s fading window, from 20 requests on),
+ * as the users of one client object do: an attempt refused by it is recorded
+ * as `throttled`, never sent, and backed off like a refusal.
+ *
  * With `openai` the same users speak to the OpenAI-compatible front instead:
  * POST /v1/chat/completions, the IMAGE as a base64 data URI and the prompt as
  * the text part; any 503 of the front (code service_unavailable: its shedding,
@@ -32,6 +38,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -76,6 +83,10 @@ static int openai_mode; /* 1: the OpenAI front's chat completions instead of Tri
 static unsigned tag;
 static unsigned long counter;
 static double backoff_ms, timeout_ms, phase_start;
+static double throttle_k; /* 0: no throttle */
+static double throttle_requests, throttle_accepts, throttle_at;
+#define THROTTLE_WINDOW_S 30.0
+#define THROTTLE_MIN_REQUESTS 20.0
 static FILE *out;
 
 static double now(void) {
@@ -187,7 +198,46 @@ static int still_open(int fd) {
     return recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT) < 0 && errno == EAGAIN;
 }
 
+/* classify_describe/throttle.py's counts, fading with THROTTLE_WINDOW_S. */
+static void throttle_decay(void) {
+    double t = now(), factor = exp(-(t - throttle_at) / THROTTLE_WINDOW_S);
+    throttle_requests *= factor;
+    throttle_accepts *= factor;
+    throttle_at = t;
+}
+
+/* Counts one attempt; 0: refused here, unsent. */
+static int throttle_allow(void) {
+    if (throttle_k <= 0) return 1;
+    throttle_decay();
+    double p = 0;
+    if (throttle_requests >= THROTTLE_MIN_REQUESTS) {
+        p = (throttle_requests - throttle_k * throttle_accepts) / (throttle_requests + 1);
+        if (p < 0) p = 0;
+    }
+    throttle_requests += 1;
+    return (double)rand() / ((double)RAND_MAX + 1) >= p;
+}
+
+static void throttle_accepted(void) {
+    if (throttle_k <= 0) return;
+    throttle_decay();
+    throttle_accepts += 1;
+}
+
+static double jitter_s(int attempt) {
+    double cap = backoff_ms * (double)(1 << (attempt < 20 ? attempt : 20));
+    if (cap > 5000) cap = 5000;
+    return (double)rand() / RAND_MAX * cap / 1000.0;
+}
+
 static void start_attempt(struct user *u, int epoll_fd) {
+    if (!u->resend && !throttle_allow()) {
+        record("throttled", 0);
+        u->state = SLEEPING;
+        u->wake = now() + jitter_s(u->attempt++);
+        return;
+    }
     if (u->fd >= 0 && !still_open(u->fd)) drop_connection(u, epoll_fd);
     u->resend = 0;
     if (u->fd < 0 && connect_user(u, epoll_fd) < 0) {
@@ -200,12 +250,6 @@ static void start_attempt(struct user *u, int epoll_fd) {
     u->sent = u->received = 0;
     u->started = now();
     u->state = SENDING;
-}
-
-static double jitter_s(int attempt) {
-    double cap = backoff_ms * (double)(1 << (attempt < 20 ? attempt : 20));
-    if (cap > 5000) cap = 5000;
-    return (double)rand() / RAND_MAX * cap / 1000.0;
 }
 
 /* An answer is complete: -1 while more is to come, else its length. */
@@ -231,6 +275,7 @@ static void finish(struct user *u, int status, int epoll_fd) {
     u->answers++;
     if (header(u, "\r\nconnection: close")) drop_connection(u, epoll_fd); /* the next attempt connects anew */
     if (status == 200) {
+        throttle_accepted();
         record("ok", seconds);
         u->attempt = 0;
         u->state = IDLE;
@@ -424,6 +469,8 @@ int main(int argc, char **argv) {
     timeout_ms = atof(argv[7]);
     image = read_file(argv[8], &image_len);
     out = fopen(argv[9], "w");
+    const char *k = getenv("THROTTLE_K");
+    throttle_k = k && backoff_ms > 0 ? atof(k) : 0;
     if (!image || !image_len || !out || count < 1) {
         fprintf(stderr, "overload_client: cannot read %s or write %s\n", argv[8], argv[9]);
         return 2;

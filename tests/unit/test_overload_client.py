@@ -72,11 +72,12 @@ class StandInTriton(StandInHandler):
                     [("Retry-After", "1")] if self.shed else ())
 
 
-def run_c_client(tmp_path, handler, users, seconds, backoff_base_s):
+def run_c_client(tmp_path, handler, users, seconds, backoff_base_s, throttle_k=0.0):
     (tmp_path / "photo").write_bytes(b"photo")
     with serving_http(handler) as address:
         return overload.c_phase(overload.compile_c_client(tmp_path), address, tmp_path / "photo",
-                                users=users, seconds=seconds, timeout_s=5, backoff_base_s=backoff_base_s)
+                                users=users, seconds=seconds, timeout_s=5, backoff_base_s=backoff_base_s,
+                                throttle_k=throttle_k)
 
 
 needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
@@ -316,3 +317,47 @@ def test_a_timeout_names_the_step_it_was_stuck_in(tmp_path):
 
     figures, _ = c_phase_against(tmp_path, never_answer, seconds=0.2, timeout_s=0.5)
     assert figures["lost_by_reason"] == {"lost:timeout:unanswered:new": 1}
+
+
+class FullStandIn(StandInTriton):
+    """Every request refused as a full queue (503), none answered."""
+
+    prompts = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.prompts.append(self.path)
+        self.answer(503, {"error": overload.REFUSED})
+
+
+@needs_cc
+@pytest.mark.parametrize("throttle_k", [0.0, 2.0])
+def test_the_c_clients_throttle_keeps_refused_attempts_at_home(tmp_path, throttle_k):
+    # Backing off from 1 ms, 4 users make about 40 attempts in the second: without the throttle
+    # every one reaches the server; with it, past the 20 requests of classify_describe's
+    # min_requests, nearly all are refused unsent (the probability is then 20/21 and up).
+    FullStandIn.prompts = []
+    figures = run_c_client(tmp_path, FullStandIn, users=4, seconds=1.0, backoff_base_s=0.001, throttle_k=throttle_k)
+    sent = len(FullStandIn.prompts)
+    assert figures["lost"] == 0 and figures["admitted"] == 0
+    if throttle_k:
+        assert 20 <= sent <= 27 and figures["throttled"] >= 10
+    else:
+        assert "throttled" not in figures and sent >= 35
+
+
+def test_the_c_throttle_has_the_python_clients_defaults():
+    from classify_describe import throttle
+
+    source = overload.C_SOURCE.read_text()
+    assert f"#define THROTTLE_WINDOW_S {throttle.WINDOW_S}\n" in source
+    assert f"#define THROTTLE_MIN_REQUESTS {float(throttle.MIN_REQUESTS)}\n" in source
+    assert overload.main.__module__ and throttle.DEFAULT_K == 2.0
+
+
+@needs_cc
+def test_the_c_clients_throttle_lets_through_what_the_server_takes(tmp_path):
+    # Half refused, half answered: requests stay about 2 x accepts, so (nearly) nothing is held back.
+    StandInTriton.prompts = []
+    figures = run_c_client(tmp_path, StandInTriton, users=4, seconds=1.0, backoff_base_s=0.01, throttle_k=2.0)
+    assert figures["admitted"] > 10 and figures["throttled"] <= figures["admitted"] // 5
