@@ -11,7 +11,7 @@ import time
 
 from aiohttp import web
 
-from . import access_log, chat, fetch, request_id, responses, trace_context
+from . import access_log, chat, expect_continue, fetch, request_id, responses, trace_context
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
 from .shedding import Admission, discard_refused_bodies
@@ -26,7 +26,7 @@ ADMISSION = web.AppKey("admission", Admission)
 # image takes tens of ms, during which the loop would stall every open stream.
 OFFLOAD_BYTES = 256 * 1024
 # Answers after which the connection is closed: the rest of the body is never read.
-CLOSE_AFTER = frozenset({408, 413, 415})
+CLOSE_AFTER = frozenset({408, 413, 415, 417})
 # The cancel message of a stream ended by the front's shutdown (not by its client).
 SHUTTING_DOWN = "the OpenAI front is shutting down"
 
@@ -52,7 +52,8 @@ def create_app(settings):
     app[FETCHES] = InFlight(settings.max_fetches_in_flight, "image URLs", "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT")
     app[STREAMS] = set()
     app[METRICS] = Metrics(m.id for m in settings.models)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    # 100 Continue only once the body is wanted (expect_continue.py): a refusal costs no body.
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue.handler)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/metrics", metrics)
@@ -99,8 +100,10 @@ def error_response(error):
 
 def _refuse_body_early(request):
     """What can be refused from the headers alone, before a byte of the body is
-    read: a compressed body (a 1 MB gzip inflates to 1 GB) and a declared length
-    over the limit (read whole, it would stall the loop for seconds)."""
+    read: a compressed body (a 1 MB gzip inflates to 1 GB), a declared length
+    over the limit (read whole, it would stall the loop for seconds) and an
+    expectation other than 100-continue."""
+    expect_continue.check(request)
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding != "identity":
         raise FrontError(415, f"Content-Encoding {encoding[:40]!r} is not accepted: send the body uncompressed",
@@ -216,6 +219,7 @@ async def read_request(request):
     async with request.app[BODIES].slot(wait_s=min(BODY_SLOT_WAIT_S, settings.body_timeout_s)):
         try:
             async with asyncio.timeout(settings.body_timeout_s):
+                await expect_continue.send(request)
                 raw = await request.read()
             access_log.note(request, bytes_in=len(raw))
         except TimeoutError:

@@ -43,6 +43,7 @@ import time
 
 from aiohttp import web
 
+from . import expect_continue
 from .errors import unavailable
 
 # Only these carry a costly body and hold Triton; probes, /v1/models and
@@ -127,8 +128,11 @@ def discard_refused_bodies(max_bytes, within_s):
     @web.middleware
     async def middleware(request, handler):
         response = await handler(request)
-        if response.status != 503 or response.keep_alive is False or not request.can_read_body \
-                or request.content.is_eof():
+        unasked = expect_continue.unasked(request)
+        if unasked:
+            response.force_close()  # its client holds the body back: the framing is lost
+        if response.status != 503 or (response.keep_alive is False and not unasked) \
+                or not request.can_read_body or request.content.is_eof():
             return response
         await response.prepare(request)
         await response.write_eof()
