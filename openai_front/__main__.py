@@ -38,6 +38,12 @@ def main(argv=None):
     urls = ", ".join(sorted(settings.image_url_allowlist)) or "none (data: URIs only)"
     print(f"openai_front: http://{settings.host}:{settings.port}/v1 -> Triton gRPC {settings.triton_grpc_url}; "
           f"{auth}; image URLs from: {urls}", file=sys.stderr, flush=True)
+    serve(settings)
+    return 0
+
+
+def serve(settings):
+    """Serve the front until TERM or INT, with the server's options below."""
     # handler_cancellation: a client that leaves cancels its handler, and with it
     # the gRPC call (Triton then cancels the request, and the LLM call with it).
     # auto_decompress=False: a compressed body stays compressed (it is refused, 415),
@@ -49,7 +55,6 @@ def main(argv=None):
     web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
                 shutdown_timeout=settings.drain_s, handler_cancellation=True, auto_decompress=False,
                 lingering_time=LINGERING_S, backlog=LISTEN_BACKLOG)
-    return 0
 
 
 if __name__ == "__main__":

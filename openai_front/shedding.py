@@ -139,7 +139,11 @@ def discard_refused_bodies(max_bytes, within_s):
         left = max_bytes
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within_s):
-                while left > 0 and (chunk := await request.content.readany()):
+                # readchunk hands over each chunk as received; readany joins those waiting
+                # (a copy of what is dropped): the refusal's CPU fell by about a fifth
+                # (tools/refusal_cost.py, docs/reliability.md#overload).
+                while left > 0 and not request.content.at_eof():
+                    chunk, _ = await request.content.readchunk()
                     left -= len(chunk)
         if not request.content.is_eof() and request.transport is not None:
             request.transport.close()
