@@ -20,6 +20,7 @@ minute); `answered_per_s_by_5s` shows the whole phase, cold start included.
   openai-front       the openai SDK (its own retries honour Retry-After; on its aiohttp
                      client, `--sdk-http`) to the front
   backoff-front      C users with the clients' back-off (Retry-After honoured) to the front
+  backoff-front-expect  the same, each request with Expect: 100-continue (a refusal costs no body)
 
 Per kind and factor: answered per second within the measured window and its share of
 saturation's (goodput), answer latency, refusals, lost (any other error, or
@@ -186,7 +187,7 @@ def compile_c_client(workdir):
 
 
 def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_base_s, openai=False, nice=0,
-            warmup_s=0.0, throttle_k=0.0):
+            warmup_s=0.0, throttle_k=0.0, expect=False):
     """One phase driven by tools/overload_client.c (HTTP): `warmup_s`, then
     the measured `seconds`; the same figures as python_phase, rates over the
     measured seconds (answers that end in the warm-up or in the drain after
@@ -194,7 +195,8 @@ def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_bas
     OpenAI front's chat completions (http_url its host:port). nice: the
     generator's niceness (generator_argv). throttle_k > 0: the back-off users
     share classify_describe's adaptive throttle with that k; the attempts it
-    refused unsent in the window are `throttled`."""
+    refused unsent in the window are `throttled`. expect: each request sends
+    Expect: 100-continue and its body only when the server asks."""
     host_name, port = http_url.rsplit(":", 1)
     ends, counts = [], collections.Counter()
     env = dict(os.environ, THROTTLE_K=str(throttle_k)) if throttle_k else None
@@ -202,7 +204,8 @@ def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_bas
         started, cpu_before = time.monotonic(), children_cpu_s()
         subprocess.run(generator_argv([str(binary), host_name, port, ENSEMBLE, str(users), str(warmup_s + seconds),
                                        str(backoff_base_s * 1000), str(timeout_s * 1000), str(image_path),
-                                       out.name, *(["openai"] if openai else [])], nice),
+                                       out.name, *(["openai"] if openai else []), *(["expect"] if expect else [])],
+                                      nice),
                        check=True, timeout=warmup_s + seconds + timeout_s + 60, env=env)
         elapsed = time.monotonic() - started
         admitted, rejected, lost, retries = parse_attempts(out, window_s=seconds, warmup_s=warmup_s, ends=ends,
@@ -280,6 +283,12 @@ KINDS = {
     # 1,280 SDK users in one Python process are themselves a bottleneck on 2 cores.
     "backoff-front": dict(path="OpenAI front -> Triton gRPC", client="C generator, back-off + jitter + Retry-After",
                           judged=0.8),
+    # The same with Expect: 100-continue, as the policy asks of clients sending large bodies: a refusal
+    # then costs no body. Beside backoff-front, which keeps measuring what the front's drain of refused
+    # bodies costs (the openai SDK and httpx cannot send Expect).
+    "backoff-front-expect": dict(path="OpenAI front -> Triton gRPC",
+                                 client="C generator, back-off + jitter + Retry-After, Expect: 100-continue",
+                                 judged=0.8),
 }
 
 
@@ -307,10 +316,13 @@ class Stack:
 
     def drive(self, kind, args):
         """drive(users, seconds) -> a phase's figures, for one client kind."""
-        def c(url, backoff, openai=False, throttle_k=0.0):
+        def c(url, backoff, openai=False, throttle_k=0.0, expect=False):
             return lambda users, seconds, warmup_s=args.warmup_s: c_phase(
                 self.binary, url, self.image_path, users, seconds, args.timeout_s, backoff, openai,
-                nice=args.generator_nice, warmup_s=warmup_s, throttle_k=throttle_k)
+                nice=args.generator_nice, warmup_s=warmup_s, throttle_k=throttle_k, expect=expect)
+
+        def front():  # the front's host:port
+            return self.openai_base_url.split("//", 1)[1].split("/", 1)[0]
 
         def py(client, url):
             return lambda: python_phase_of(client, url, self.image_path, args)
@@ -323,8 +335,8 @@ class Stack:
             "client-grpc": py("grpc", self.grpc_url),
             "client-http-proxy": py("http", self.proxy_url),
             "openai-front": py("openai", self.openai_base_url),
-            "backoff-front": lambda: c(self.openai_base_url.split("//", 1)[1].split("/", 1)[0], args.backoff_s,
-                                       openai=True),
+            "backoff-front": lambda: c(front(), args.backoff_s, openai=True),
+            "backoff-front-expect": lambda: c(front(), args.backoff_s, openai=True, expect=True),
         }[kind]()
 
 
@@ -470,8 +482,9 @@ def parse_args(argv):
         parser.error(f"unknown --kinds {', '.join(sorted(unknown))}")
     if args.grpc_url and not args.http_url:
         parser.error("--grpc-url needs --http-url (the C users and the proxy speak HTTP)")
-    if args.grpc_url and "openai-front" in args.kinds and not args.openai_url:
-        parser.error("--kinds openai-front on a running server needs --openai-url")
+    front_kinds = [kind for kind in args.kinds if "front" in kind]
+    if args.grpc_url and front_kinds and not args.openai_url:
+        parser.error(f"--kinds {','.join(front_kinds)} on a running server needs --openai-url")
     return args
 
 

@@ -23,7 +23,7 @@
  * connection as the request left) is sent again at once on a new one and
  * recorded as `retry`. Lost is what got neither an answer nor a refusal.
  *
- *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai]
+ *   overload_client HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai] [expect]
  *
  * With THROTTLE_K in the environment (> 0; back-off users only) the users
  * share classify_describe's adaptive throttle (classify_describe/throttle.py,
@@ -35,6 +35,13 @@
  * POST /v1/chat/completions, the IMAGE as a base64 data URI and the prompt as
  * the text part; any 503 of the front (code service_unavailable: its shedding,
  * its body slots, Triton refusing it) is a refusal.
+ *
+ * With `expect` each request says "Expect: 100-continue" (RFC 9110 10.1.1) and
+ * its body waits after the headers for the server's word, as curl's does: on
+ * "100 Continue" the body goes; on a final answer (a refusal from the headers)
+ * it never goes, and the connection is closed (the server cannot tell what
+ * the next bytes would be); with neither within EXPECT_WAIT_S the body goes
+ * anyway (curl's fallback, 1 s, for servers that ignore the expectation).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -62,24 +69,29 @@
 #define PROMPT_FMT "What is it? (%08x-%010lu)"
 #define PROMPT_LEN 33 /* the format above, always this long */
 #define RECV_MAX (256 * 1024)
+#define EXPECT_WAIT_S 1.0 /* curl's --expect100-timeout default */
 
-enum state { IDLE, SENDING, READING, SLEEPING, DONE };
+/* WAITING: the headers of an `expect` request are sent, its body waits for the server's word. */
+enum state { IDLE, SENDING, WAITING, READING, SLEEPING, DONE };
 
 struct user {
     int fd, attempt;
     int answers; /* answers read on this connection: 0 on a new one */
     int resend;  /* the last attempt is to be sent again at once, even past the deadline */
+    int go_on;   /* the body may be sent: no `expect`, or 100 Continue came, or EXPECT_WAIT_S passed */
     enum state state;
     char prompt[4 + PROMPT_LEN + 8]; /* the request's last part, its own */
     size_t sent, received;
     char *buf;
-    double started, wake;
+    double started, wake; /* wake: also the end of WAITING */
 };
 
 static struct sockaddr_in server;
 static char *header_fmt, *image, *prefix; /* shared by every user: HTTP and JSON headers, the IMAGE */
 static size_t image_len, prefix_len, request_len, prompt_part_len = 4 + PROMPT_LEN;
+static size_t head_len; /* the HTTP headers at the start of prefix: all that goes before an `expect` wait */
 static int openai_mode; /* 1: the OpenAI front's chat completions instead of Triton's infer */
+static const char *expect_header = ""; /* "Expect: 100-continue\r\n" in `expect` mode */
 static unsigned tag;
 static unsigned long counter;
 static double backoff_ms, timeout_ms, phase_start;
@@ -114,7 +126,7 @@ static void build_prefix(const char *model) {
         "{\"binary_data_size\":%zu}},{\"name\":\"PROMPT\",\"shape\":[1,1],\"datatype\":\"BYTES\","
         "\"parameters\":{\"binary_data_size\":%d}}]}", image_len + 4, PROMPT_LEN + 4);
     size_t body_len = json_len + 4 + image_len + 4 + PROMPT_LEN;
-    int head_len = snprintf(head, sizeof head, header_fmt, model, json_len, body_len);
+    head_len = snprintf(head, sizeof head, header_fmt, model, json_len, expect_header, body_len);
     prefix_len = head_len + json_len + 4;
     prefix = malloc(prefix_len);
     memcpy(prefix, head, head_len);
@@ -148,8 +160,8 @@ static void build_openai_prefix(const char *model) {
         "{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\","
         "\"image_url\":{\"url\":\"data:image/png;base64,", model);
     size_t body_len = json_len + image_len + prompt_part_len;
-    int head_len = snprintf(head, sizeof head, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                            "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n", body_len);
+    head_len = snprintf(head, sizeof head, "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        "Content-Type: application/json\r\n%sContent-Length: %zu\r\n\r\n", expect_header, body_len);
     prefix_len = head_len + json_len;
     prefix = malloc(prefix_len);
     memcpy(prefix, head, head_len);
@@ -248,13 +260,27 @@ static void start_attempt(struct user *u, int epoll_fd) {
     }
     new_prompt(u);
     u->sent = u->received = 0;
+    u->go_on = !*expect_header;
     u->started = now();
     u->state = SENDING;
+}
+
+/* Interim answers (1xx) at the start of u->buf are taken out; 100 Continue lets the body go. */
+static void take_interim(struct user *u) {
+    char *end;
+    while (u->received >= 12 && u->buf[9] == '1' && (end = strstr(u->buf, "\r\n\r\n"))) {
+        if (atoi(u->buf + 9) == 100) u->go_on = 1;
+        size_t length = end + 4 - u->buf;
+        memmove(u->buf, u->buf + length, u->received - length);
+        u->received -= length;
+        u->buf[u->received] = 0;
+    }
 }
 
 /* An answer is complete: -1 while more is to come, else its length. */
 static long answer_length(struct user *u, int *status) {
     u->buf[u->received] = 0;
+    take_interim(u);
     char *end = strstr(u->buf, "\r\n\r\n");
     if (!end) return -1;
     char *length = strcasestr(u->buf, "\r\ncontent-length:");
@@ -273,7 +299,9 @@ static char *header(struct user *u, const char *name) {
 static void finish(struct user *u, int status, int epoll_fd) {
     double seconds = now() - u->started;
     u->answers++;
-    if (header(u, "\r\nconnection: close")) drop_connection(u, epoll_fd); /* the next attempt connects anew */
+    /* The next attempt connects anew; also after an answer that came before the body
+     * went (`expect`): the server cannot tell whether the next bytes are that body. */
+    if (header(u, "\r\nconnection: close") || u->sent < request_len) drop_connection(u, epoll_fd);
     if (status == 200) {
         throttle_accepted();
         record("ok", seconds);
@@ -342,34 +370,38 @@ static void broken(struct user *u, const char *step, int error, int epoll_fd) {
  * new connection (that had not answered yet). */
 static const char *timeout_reason(struct user *u) {
     static char why[64];
-    const char *step = u->state == SENDING ? (u->sent ? "sending" : "unsent")
-                                           : (u->received ? "reading" : "unanswered");
+    const char *step = u->state == SENDING   ? (u->sent ? "sending" : "unsent")
+                       : u->state == WAITING ? "expecting"
+                                             : (u->received ? "reading" : "unanswered");
     snprintf(why, sizeof why, "lost:timeout:%s%s", step, u->answers ? "" : ":new");
     return why;
 }
 
-/* The unsent rest of the request, from the three parts. */
-static int pending(struct user *u, struct iovec *iov) {
+/* The unsent rest of the request up to `end`, from the three parts. */
+static int pending(struct user *u, size_t end, struct iovec *iov) {
     const char *parts[3] = {prefix, image, u->prompt};
     size_t lengths[3] = {prefix_len, image_len, prompt_part_len};
-    size_t skip = u->sent;
+    size_t skip = u->sent, left = end - u->sent;
     int count = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < 3 && left; i++) {
         if (skip >= lengths[i]) {
             skip -= lengths[i];
             continue;
         }
+        size_t length = lengths[i] - skip < left ? lengths[i] - skip : left;
         iov[count].iov_base = (char *)parts[i] + skip;
-        iov[count++].iov_len = lengths[i] - skip;
+        iov[count++].iov_len = length;
+        left -= length;
         skip = 0;
     }
     return count;
 }
 
 static void do_send(struct user *u, int epoll_fd) {
-    while (u->sent < request_len) {
+    size_t end = u->go_on ? request_len : head_len; /* `expect`: the headers, then the server's word */
+    while (u->sent < end) {
         struct iovec iov[3];
-        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = pending(u, iov)};
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = pending(u, end, iov)};
         ssize_t n = sendmsg(u->fd, &msg, MSG_NOSIGNAL);
         if (n < 0) {
             if (errno != EAGAIN) broken(u, "lost:send", errno, epoll_fd);
@@ -377,7 +409,12 @@ static void do_send(struct user *u, int epoll_fd) {
         }
         u->sent += n;
     }
-    u->state = READING;
+    if (u->go_on) {
+        u->state = READING;
+    } else {
+        u->state = WAITING;
+        u->wake = now() + EXPECT_WAIT_S;
+    }
 }
 
 static void do_read(struct user *u, int epoll_fd) {
@@ -393,6 +430,11 @@ static void do_read(struct user *u, int epoll_fd) {
         long length = answer_length(u, &status);
         if (length == -2 || u->received >= RECV_MAX - 1) return fail(u, "lost:unparsed", epoll_fd);
         if (length >= 0) return finish(u, status, epoll_fd);
+        if (u->state == WAITING && u->go_on) { /* 100 Continue: the body goes, then its answer is read */
+            u->state = SENDING;
+            do_send(u, epoll_fd);
+            if (u->state != READING) return;
+        }
     }
 }
 
@@ -406,14 +448,19 @@ static void step(struct user *u, int epoll_fd, double deadline) {
         start_attempt(u, epoll_fd);
     }
     if (u->state == SENDING) do_send(u, epoll_fd);
-    if (u->state == READING) do_read(u, epoll_fd);
+    if (u->state == READING || u->state == WAITING) do_read(u, epoll_fd);
 }
 
 /* Every few ms, without I/O: back-offs that are over, attempts past the timeout. */
 static void tick(struct user *u, int epoll_fd, double deadline, double t) {
     if (u->state == SLEEPING && t >= u->wake) u->state = IDLE;
-    if ((u->state == SENDING || u->state == READING) && t - u->started > timeout_ms / 1000)
+    if ((u->state == SENDING || u->state == WAITING || u->state == READING) && t - u->started > timeout_ms / 1000)
         fail(u, timeout_reason(u), epoll_fd);
+    if (u->state == WAITING && t >= u->wake) { /* no word from the server: the body goes anyway */
+        u->go_on = 1;
+        u->state = SENDING;
+        step(u, epoll_fd, deadline);
+    }
     if (u->state == IDLE) step(u, epoll_fd, deadline);
 }
 
@@ -457,8 +504,17 @@ static int run(struct user *users, int count, double seconds) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 10 && !(argc == 11 && strcmp(argv[10], "openai") == 0)) {
-        fprintf(stderr, "usage: %s HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai]\n", argv[0]);
+    int usage = argc < 10;
+    for (int i = 10; i < argc; i++) {
+        if (strcmp(argv[i], "openai") == 0)
+            openai_mode = 1;
+        else if (strcmp(argv[i], "expect") == 0)
+            expect_header = "Expect: 100-continue\r\n";
+        else
+            usage = 1;
+    }
+    if (usage) {
+        fprintf(stderr, "usage: %s HOST PORT MODEL USERS SECONDS BACKOFF_MS TIMEOUT_MS IMAGE OUT [openai] [expect]\n", argv[0]);
         return 2;
     }
     server.sin_family = AF_INET;
@@ -480,8 +536,7 @@ int main(int argc, char **argv) {
     tag = (unsigned)rand();
     header_fmt = "POST /v2/models/%s/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                  "Content-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
-                 "Content-Length: %zu\r\n\r\n";
-    openai_mode = argc == 11;
+                 "%sContent-Length: %zu\r\n\r\n";
     if (openai_mode)
         build_openai_prefix(argv[3]);
     else

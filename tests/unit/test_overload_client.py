@@ -184,8 +184,9 @@ class RawServer:
         self.listener.close()
 
 
-def read_head(conn):
-    """A request's headers -> its Content-Length; None when the client closed."""
+def read_head(conn, heads=None):
+    """A request's headers -> what of its Content-Length is still to come; None when the
+    client closed. `heads`: a list the headers are added to."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = conn.recv(65536)
@@ -193,6 +194,8 @@ def read_head(conn):
             return None
         data += chunk
     head, rest = data.split(b"\r\n\r\n", 1)
+    if heads is not None:
+        heads.append(head)
     length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
                  .split(b":")[1])
     return length - len(rest)
@@ -218,13 +221,14 @@ def answer(conn, status=503, *headers):
                  % (status, len(body), b"".join(h + b"\r\n" for h in headers)) + body)
 
 
-def c_phase_against(tmp_path, serve, photo=b"photo", seconds=1.0, backoff_base_s=0, timeout_s=5, users=1):
+def c_phase_against(tmp_path, serve, photo=b"photo", seconds=1.0, backoff_base_s=0, timeout_s=5, users=1,
+                    expect=False):
     (tmp_path / "photo").write_bytes(photo)
     server = RawServer(serve)
     try:
         figures = overload.c_phase(overload.compile_c_client(tmp_path), f"127.0.0.1:{server.port}",
                                    tmp_path / "photo", users=users, seconds=seconds, timeout_s=timeout_s,
-                                   backoff_base_s=backoff_base_s)
+                                   backoff_base_s=backoff_base_s, expect=expect)
     finally:
         server.close()
     return figures, server
@@ -361,3 +365,74 @@ def test_the_c_clients_throttle_lets_through_what_the_server_takes(tmp_path):
     StandInTriton.prompts = []
     figures = run_c_client(tmp_path, StandInTriton, users=4, seconds=1.0, backoff_base_s=0.01, throttle_k=2.0)
     assert figures["admitted"] > 10 and figures["throttled"] <= figures["admitted"] // 5
+
+
+EXPECT = b"\r\nExpect: 100-continue"
+
+
+@needs_cc
+def test_with_expect_a_refusal_before_the_body_keeps_the_body_unsent_and_the_connection_is_dropped(tmp_path):
+    """The server refuses each request from its headers (no Connection: close) and then reads
+    what comes: nothing, and the client's close. Each attempt asks on a new connection,
+    whose headers say Expect: 100-continue; no byte of a body was ever sent."""
+    heads, after = [], []
+
+    def refuse_from_the_headers(conn, number):
+        left = read_head(conn, heads)
+        answer(conn, 503)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        after.append((left, data))
+
+    figures, server = c_phase_against(tmp_path, refuse_from_the_headers, photo=b"p" * 100_000, seconds=0.5,
+                                      expect=True)
+    assert figures["lost"] == 0 and figures["retried"] == 0, figures["lost_by_reason"]
+    assert figures["rejected"] >= 1 and all(EXPECT in head for head in heads)
+    assert after and all(left > 100_000 and data == b"" for left, data in after), \
+        "nothing after the headers: no body, and no next request on the same connection"
+    assert server.connections >= len(after) >= figures["rejected"]
+
+
+@needs_cc
+def test_with_expect_the_body_goes_on_100_continue_and_the_connection_is_kept(tmp_path):
+    """The server reads the headers, checks that nothing follows them for 0.1 s (the body
+    waits), sends 100 Continue, reads the body, answers. The first answer comes well within
+    the 0.8 s phase; a client that let its body wait for its 1 s fallback instead of the
+    100 would answer nothing within it (a generous margin: an exchange on loopback takes ms)."""
+    heads, early = [], []
+
+    def continue_then_answer(conn, number):
+        while (left := read_head(conn, heads)) is not None:
+            conn.settimeout(0.1)
+            try:
+                early.append(conn.recv(65536))
+            except TimeoutError:
+                pass
+            conn.settimeout(None)
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            while left > 0:
+                chunk = conn.recv(min(left, 1 << 20))
+                if not chunk:
+                    return
+                left -= len(chunk)
+            answer(conn, 200)
+
+    figures, server = c_phase_against(tmp_path, continue_then_answer, seconds=0.8, expect=True)
+    assert figures["lost"] == 0 and figures["admitted"] >= 1, figures
+    assert early == [] and all(EXPECT in head for head in heads)
+    assert server.connections == 1, "answered after its body: the connection is kept"
+
+
+@needs_cc
+def test_with_expect_a_server_that_ignores_it_gets_the_body_after_a_second_and_a_late_100_is_skipped(tmp_path):
+    """A server that never asks (it waits for the body as older servers do) gets it after the
+    client's 1 s fallback; it then sends 100 Continue before its answer (a late interim
+    answer), which the client reads past to the answer: ok, not lost:unparsed."""
+    def late_continue(conn, number):
+        while read_request(conn):
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            answer(conn, 200)
+
+    figures, _ = c_phase_against(tmp_path, late_continue, seconds=1.5, expect=True)
+    assert figures["lost"] == 0 and figures["admitted"] >= 1, figures["lost_by_reason"]
