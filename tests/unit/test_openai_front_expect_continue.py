@@ -9,6 +9,7 @@ it, the one slot held by a valid request where a refusal is wanted."""
 
 import asyncio
 import json
+import shutil
 import socket
 import time
 
@@ -21,6 +22,7 @@ from test_openai_front_refused_bodies import hold_the_slot
 
 from openai_front import app as front_app
 from openai_front.triton import Answer
+from tools import overload
 
 SOCKET_TIMEOUT_S = 15  # generous: only a hang reaches it on a loaded machine
 PAYLOAD = json.dumps(body(text="What is it? " + "x" * 150_000)).encode()
@@ -247,3 +249,34 @@ def test_aiohttps_own_client_with_expect100_is_refused_then_served():
     (status, retry_after, _), (second, _, answer) = asyncio.run(main())
     assert status == 503 and retry_after
     assert second == 200 and answer["choices"]
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+def test_the_c_generators_expect_mode_against_the_front_is_refused_then_served_and_loses_nothing(tmp_path):
+    """tools/overload_client.c in openai + expect mode, 16 users resending at once: with the one
+    slot held every attempt is a refusal (each on a new connection: the front's
+    Connection: close), then, the slot free, answers; nothing lost either way."""
+    (tmp_path / "photo").write_bytes(b"p" * 65536)
+    binary = overload.compile_c_client(tmp_path)
+    pool = AnsweringPool()
+    pool.stall = True
+    app = front_with(pool, max_requests_in_flight=1)
+
+    def phase(port):
+        return overload.c_phase(binary, f"127.0.0.1:{port}", tmp_path / "photo", users=16, seconds=1,
+                                timeout_s=30, backoff_base_s=0, openai=True, expect=True)
+
+    async def main():
+        async with await serving(app) as server:
+            holder = await hold_the_slot(server, pool)
+            try:
+                refused = await asyncio.to_thread(phase, server.port)
+            finally:
+                holder.close()
+            await until(lambda: app[front_app.ADMISSION].now == 0, "the holder left: its slot is free")
+            pool.stall = False
+            return refused, await asyncio.to_thread(phase, server.port)
+
+    refused, served = asyncio.run(main())
+    assert refused["lost"] == 0 and refused["admitted"] == 0 and refused["rejected"] >= 1, refused["lost_by_reason"]
+    assert served["lost"] == 0 and served["admitted"] >= 1, served["lost_by_reason"]
