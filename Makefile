@@ -222,8 +222,9 @@ soak: build
 # sweep finds the saturating number of users, then goodput (answered/s) per client
 # kind at 20x as many: C users resending at once (bare, through the proxy), C
 # users backing off, classify_describe (gRPC, HTTP through the proxy), the openai
-# SDK through the front. Each phase runs a 60 s warm-up, then its measured 30 s
-# (the steady state; docs/reliability.md#overload). About 16 minutes; fails
+# SDK through the front, C users backing off through the front without and with
+# Expect: 100-continue. Each phase runs a 60 s warm-up, then its measured 30 s
+# (the steady state; docs/reliability.md#overload). About 18 minutes; fails
 # below the goodput targets or if anything is lost.
 #   make overload OVERLOAD_ARGS="--saturation 64 --factors 4,20 --phase-s 60"
 #   make overload OVERLOAD_ARGS="--kinds openai-front --saturation 128 --warmup-s 30"
