@@ -33,6 +33,8 @@ it: aiohttp reads and drops an unread body for only `lingering_time` (1 s
 here, for the hostile cases), then closes. So a refusal's body is read and
 dropped here, bounded in bytes and time, as nginx discards the body of a
 request it refused; the connection then serves the client's next attempt.
+A client that sent `Expect: 100-continue` holds its body back instead
+(expect_continue.py): its refusal says Connection: close.
 """
 
 import asyncio
