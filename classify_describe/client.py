@@ -99,11 +99,11 @@ def _server_answered(error, module):
 def _resend(error, module):
     # What `retries=N` resends: the retryable errors but a timeout, which the
     # server may still be working on; resending it would pile more work on a
-    # server that is already slow. And what the throttle refused unsent.
-    return isinstance(error, Throttled) or (_retryable(error, module) and not _timed_out(error, module))
+    # server that is already slow.
+    return _retryable(error, module) and not _timed_out(error, module)
 
 
-def _accepted(error, module):
+def _server_took(error, module):
     # For the throttle: the server answered and did not refuse for overload (a
     # 400 about the image was accepted work). No answer and UNAVAILABLE were not.
     return isinstance(error, module.InferenceServerException) and not _retryable(error, module)
@@ -145,6 +145,57 @@ def backoff_s(base_s, attempt, retry_after_s=None):
 def _check_retries(retries, retry_backoff_s):
     if retries < 0 or retry_backoff_s < 0:
         raise ValueError("retries and retry_backoff_s must be >= 0")
+
+
+# Attempts the throttle holds back that one resend covers. At overload x the
+# throttle (k = 2) holds back about x / 2 - 1 attempts per one it sends; 10
+# covers 20x, so a request is not given up for attempts the server never saw.
+HELD_BACK_PER_RESEND = 10
+
+
+class _Attempts:
+    """One call's attempts under the retry policy that Client and AsyncClient
+    share (their loops only send and wait):
+
+    - up to `retries` resends of attempts the server saw and refused as
+      UNAVAILABLE or did not answer (never a timeout, nor an answer about the
+      request itself), each after `backoff_s`;
+    - an attempt the throttle held back (Throttled) is tried again after its
+      back-off without using a resend, up to HELD_BACK_PER_RESEND x `retries`
+      of them: the throttle exists to spare the server, not to give up sooner.
+    """
+
+    def __init__(self, client):
+        self._client = client
+        self._attempt = 0  # every attempt, sent or held back: the back-off grows with each
+        self._resends_left = client._retries
+        self._held_back_left = client._retries * HELD_BACK_PER_RESEND
+
+    def begin(self):
+        """Before sending: raises Throttled when the throttle holds this attempt back."""
+        self._client._allow()
+
+    def answered(self):
+        self._client._count_accepted(None)
+
+    def wait_s(self, error):
+        """After a failed attempt: the seconds to wait before the next one, or
+        raises what the caller gets."""
+        client = self._client
+        client._count_accepted(error)
+        if isinstance(error, Throttled):
+            resend = self._held_back_left > 0
+            self._held_back_left -= 1
+        else:
+            resend = self._resends_left > 0 and _resend(error, client._module)
+            self._resends_left -= 1
+            client.retried += resend
+        if not resend:
+            if isinstance(error, client._module.InferenceServerException):
+                raise _request_error(error, client._module, client._timeout_s) from None
+            raise error
+        self._attempt += 1
+        return backoff_s(client._retry_backoff_s, self._attempt - 1)
 
 
 @dataclass
@@ -319,9 +370,9 @@ class _Throttling:
             self.throttled += 1
             raise Throttled()
 
-    def _accepted(self, error):
-        """After an attempt that was sent: `error` None for an answer."""
-        if self.throttle is not None and (error is None or _accepted(error, self._module)):
+    def _count_accepted(self, error):
+        """After an attempt: `error` None for an answer."""
+        if self.throttle is not None and (error is None or _server_took(error, self._module)):
             self.throttle.accepted()
 
 
@@ -338,6 +389,8 @@ class Client(_Throttling):
         UNAVAILABLE; 0 (the default) never resends. Errors about the request
         itself (INVALID_ARG: a bad image, a limit) are never resent, nor is a
         request that timed out (the server may still be working on it).
+        Attempts the throttle holds back unsent do not use a resend (up to
+        HELD_BACK_PER_RESEND x `retries` of them).
 
         `infer` raises TritonRequestError when the server answered with an
         error, and the connection's own error (ConnectionError, TimeoutError...)
@@ -363,23 +416,18 @@ class Client(_Throttling):
         inputs, outputs = _build_inputs(self._module, image, prompt)
         kwargs = {"client_timeout": self._timeout_s} if self._protocol == "grpc" else {}
         started = time.perf_counter()
-        for attempt in range(self._retries + 1):
+        attempts = _Attempts(self)
+        while True:
             try:
-                self._allow()
+                attempts.begin()
                 result = self._client.infer(self._model_name, inputs, outputs=outputs,
                                             parameters=parameters, headers=_copy(self._headers), **kwargs)
-                self._accepted(None)
-                break
             except Exception as error:
-                self._accepted(error)
-                if attempt < self._retries and _resend(error, self._module):
-                    self.retried += not isinstance(error, Throttled)  # a resend of what the server saw
-                    time.sleep(backoff_s(self._retry_backoff_s, attempt))
-                    continue
-                if isinstance(error, self._module.InferenceServerException):
-                    raise _request_error(error, self._module, self._timeout_s) from None
-                raise
-        return _parse(result, (time.perf_counter() - started) * 1e3)
+                wait_s = attempts.wait_s(error)
+            else:
+                attempts.answered()
+                return _parse(result, (time.perf_counter() - started) * 1e3)
+            time.sleep(wait_s)
 
     def stream(self, image, prompt=None, parameters=None, model_name=STREAM_MODEL_NAME):
         """Yield StreamEvents of one classify_and_describe_stream request: the
@@ -496,23 +544,18 @@ class AsyncClient(_Throttling):
         kwargs = {"client_timeout": self._timeout_s} if self._protocol == "grpc" else {}
         async with self._limit:
             started = time.perf_counter()
-            for attempt in range(self._retries + 1):
+            attempts = _Attempts(self)
+            while True:
                 try:
-                    self._allow()
+                    attempts.begin()
                     result = await self._client.infer(self._model_name, inputs, outputs=outputs,
                                                       parameters=parameters, headers=_copy(self._headers), **kwargs)
-                    self._accepted(None)
-                    break
                 except Exception as error:
-                    self._accepted(error)
-                    if attempt < self._retries and _resend(error, self._module):
-                        self.retried += not isinstance(error, Throttled)  # a resend of what the server saw
-                        await asyncio.sleep(backoff_s(self._retry_backoff_s, attempt))
-                        continue
-                    if isinstance(error, self._module.InferenceServerException):
-                        raise _request_error(error, self._module, self._timeout_s) from None
-                    raise
-            return _parse(result, (time.perf_counter() - started) * 1e3)
+                    wait_s = attempts.wait_s(error)
+                else:
+                    attempts.answered()
+                    return _parse(result, (time.perf_counter() - started) * 1e3)
+                await asyncio.sleep(wait_s)
 
     async def infer_many(self, images, prompt=None):
         """Yield (index, Result or TritonRequestError) for each image, in completion order.

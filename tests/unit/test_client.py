@@ -16,6 +16,7 @@ import pathlib
 import re
 import socket
 import threading
+import types
 
 import pytest
 
@@ -394,9 +395,59 @@ def test_a_throttled_attempt_is_resent_after_back_off(stand_in, no_backoff):
             client.infer(b"unavailable:first")  # 4 attempts sent, none accepted
         assert sum(stand_in.attempts.values()) == 4
         with pytest.raises(client_module.Throttled):
-            client.infer(b"ok:later")  # refused here 4 times: resent by retries, never sent
-        assert client.throttled == 4 and client.retried == 3  # resends of sent attempts only
+            client.infer(b"ok:later")  # held back here every time, never sent
+        # the first attempt, then HELD_BACK_PER_RESEND per resend: held-back attempts use none
+        assert client.throttled == 1 + 3 * client_module.HELD_BACK_PER_RESEND
+        assert client.retried == 3  # resends of sent attempts only
     assert stand_in.attempts[b"ok:later"] == 0
+
+
+class ScriptedThrottle:
+    """Holds back the attempts whose turn is in `held_back` (0 for the first)."""
+
+    def __init__(self, held_back):
+        self.held_back, self.turn, self.accepts = set(held_back), 0, 0
+
+    def allow(self):
+        self.turn += 1
+        return self.turn - 1 not in self.held_back
+
+    def accepted(self):
+        self.accepts += 1
+
+
+def test_held_back_attempts_do_not_use_the_resends(stand_in, monkeypatch):
+    # retries=1: one resend of what the server refused, however many attempts the throttle
+    # held back around it; the back-off grows with every attempt, sent or not
+    asked = []
+    monkeypatch.setattr(client_module, "backoff_s", lambda base_s, attempt, retry_after_s=None:
+                        asked.append(attempt) or 0.0)
+    gate = ScriptedThrottle(held_back=range(1, 8))
+    with Client(stand_in.url, throttle=gate, timeout_s=5, retries=1) as client:
+        result = client.infer(b"unavailable-once:sync")
+        assert result.labels and client.retried == 1 and client.throttled == 7
+    assert stand_in.attempts[b"unavailable-once:sync"] == 2 and gate.accepts == 1
+    assert asked == list(range(8))
+
+    async def run():
+        async with AsyncClient(stand_in.url, throttle=ScriptedThrottle(held_back=range(1, 8)), timeout_s=5,
+                               retries=1) as client:
+            result = await client.infer(b"unavailable-once:async")
+            return result, client.retried, client.throttled
+
+    asked.clear()
+    result, retried, throttled = asyncio.run(run())
+    assert result.labels and retried == 1 and throttled == 7
+    assert stand_in.attempts[b"unavailable-once:async"] == 2 and asked == list(range(8))
+
+
+def test_held_back_attempts_are_bounded_by_the_resends(stand_in, no_backoff):
+    # retries=0: a held-back attempt is raised at once, as a refusal would be
+    with Client(stand_in.url, throttle=ScriptedThrottle(held_back=[0]), timeout_s=5, retries=0) as client:
+        with pytest.raises(client_module.Throttled):
+            client.infer(b"ok:once")
+        assert client.throttled == 1
+    assert stand_in.attempts[b"ok:once"] == 0
 
 
 def test_the_async_clients_answers_count_as_accepted(stand_in):
@@ -468,3 +519,11 @@ def test_the_readmes_tritonclient_recipe_retries_and_throttles(stand_in):
     # (requests - 2 x 6) / (requests + 1) > 0 refuses every further attempt (this throttle
     # refuses whenever the probability is above 0)
     assert sum(stand_in.attempts.values()) == 2 + 3 + 2 + 6
+    # held back unsent: no retry used, up to 10 per retry, then given up
+    gate, asked = namespace["throttle"], []
+    allow = gate.allow
+    gate.allow = lambda: asked.append(1) or allow()
+    namespace["time"] = types.SimpleNamespace(sleep=lambda seconds: None)
+    with pytest.raises(RuntimeError, match="held back"):
+        namespace["infer_with_retries"](client, inputs(b"ok:held"), retries=2)
+    assert len(asked) == 1 + 10 * 2 and stand_in.attempts[b"ok:held"] == 0
