@@ -18,6 +18,12 @@ refused: a client that sends a few requests a minute is never throttled by one
 503.
 
 Counts decay exponentially with time constant `window_s` (no buckets to keep).
+The window sets how fast a throttled client opens up again when capacity
+returns (a cold start, the end of a spike): it sends k x accepts, so while the
+server has room its accepts grow by a factor e every window_s / (k - 1). With
+30 s (Envoy's default) a 20x cold start took 30 s to reach full goodput
+(docs/reliability.md#overload); 10 s still holds hundreds of requests at the
+rates where throttling matters.
 One instance per client object, shared by its requests and threads: counts are
 floats updated without a lock, so concurrent threads may lose an update now and
 then, which moves a probability by a fraction of one request.
@@ -29,7 +35,7 @@ import time
 
 # The defaults; tools/overload_client.c's THROTTLE_* copy them (a unit test keeps them equal).
 DEFAULT_K = 2.0
-WINDOW_S = 30.0
+WINDOW_S = 10.0
 MIN_REQUESTS = 20
 
 

@@ -97,7 +97,7 @@ static unsigned long counter;
 static double backoff_ms, timeout_ms, phase_start;
 static double throttle_k; /* 0: no throttle */
 static double throttle_requests, throttle_accepts, throttle_at;
-#define THROTTLE_WINDOW_S 30.0
+#define THROTTLE_WINDOW_S 10.0
 #define THROTTLE_MIN_REQUESTS 20.0
 static FILE *out;
 
