@@ -368,8 +368,11 @@ def run(stack, args):
     sweep = None
     users = args.saturation
     if users is None:
-        # Short cold steps (--sweep-s, no warm-up): they only find the users that saturate.
-        users, sweep = saturating_users(lambda users, seconds: reference(users, seconds, warmup_s=0), args)
+        # Short steps, each after its own warm-up: cold, a step's users all start together
+        # and its first seconds are a ramp, which understates the smaller steps (an answer
+        # takes over a second) and let 256 users beat 128 on one run.
+        users, sweep = saturating_users(
+            lambda users, seconds: reference(users, seconds, warmup_s=args.sweep_warmup_s), args)
     log(f"saturation: {users} users")
     saturation = reference(users, args.phase_s)
     log(f"  {saturation['admitted_per_s']} answered/s, p99 {saturation['admitted_p99_ms']} ms")
@@ -452,7 +455,10 @@ def parse_args(argv):
                         help="overload factors, x the saturating users (default 20; e.g. 4,20)")
     parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
     parser.add_argument("--min-users", type=int, default=16, help="the sweep starts here")
-    parser.add_argument("--sweep-s", type=float, default=6, help="seconds per step of the saturation sweep")
+    parser.add_argument("--sweep-s", type=float, default=8,
+                        help="measured seconds per step of the saturation sweep")
+    parser.add_argument("--sweep-warmup-s", type=float, default=6,
+                        help="seconds each sweep step runs before its measured --sweep-s")
     parser.add_argument("--max-users", type=int, default=256, help="the sweep stops here")
     parser.add_argument("--factor", type=int, default=10, help="--load-generator python only")
     parser.add_argument("--phase-s", type=float, default=30,
