@@ -1,0 +1,77 @@
+"""CPU by serving process while a load runs (docs/reliability.md#overload).
+
+Samples /proc every `--interval-s` for `--seconds` and prints one JSON line per
+interval: the cores each group of processes used in it (user + system time of
+/proc/<pid>/stat), summed over the group's processes:
+
+  stub:<model>     each model's Python stubs (classify_with_view, describe, ...)
+  tritonserver     the server itself (HTTP/gRPC frontends, ensemble, queues)
+  openai_front, nginx, fake_openai, overload_client, overload_users: the rest of a
+                   `make overload` stack and its load generators
+
+The kernel's own time (loopback networking in softirq) belongs to no process:
+2 cores minus the groups' sum is that plus idle.
+
+  .venv/bin/python -m tools.process_cpu --seconds 150 [--interval-s 5] > cpu.jsonl
+"""
+
+import argparse
+import json
+import os
+import time
+
+STUB_MODELS = ("classify_with_view", "describe", "preprocess", "classifier")
+PROCESSES = ("tritonserver", "openai_front", "nginx", "fake_openai", "overload_client", "overload_users")
+
+
+def group(cmdline):
+    """The group a process's command line belongs to, or None."""
+    if "triton_python_backend_stub" in cmdline:
+        model = next((m for m in STUB_MODELS if f"/{m}/" in cmdline), "other")
+        return f"stub:{model}"
+    return next((name for name in PROCESSES if name in cmdline), None)
+
+
+def cpu_seconds():
+    """{(group, pid): CPU seconds so far} of every process in a group."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                name = group(f.read().replace(b"\0", b" ").decode(errors="replace"))
+            if name is None:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command, which may hold spaces
+        except OSError:  # the process ended between listing and reading
+            continue
+        found[(name, pid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return found
+
+
+def cores_used(before, after, seconds):
+    """{group: cores used} between two cpu_seconds() snapshots `seconds` apart; a
+    process that started in between counts from 0, one that ended is not counted."""
+    used = {}
+    for key, value in after.items():
+        used[key[0]] = used.get(key[0], 0.0) + (value - before.get(key, 0.0)) / seconds
+    return {name: round(cores, 3) for name, cores in sorted(used.items())}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, required=True, help="how long to sample (it stops by itself)")
+    parser.add_argument("--interval-s", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    before, at = cpu_seconds(), started
+    while at - started < args.seconds:
+        time.sleep(args.interval_s)
+        after, now = cpu_seconds(), time.monotonic()
+        print(json.dumps({"t_s": round(now - started, 1), **cores_used(before, after, now - at)}), flush=True)
+        before, at = after, now
+
+
+if __name__ == "__main__":
+    main()
