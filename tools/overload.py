@@ -23,7 +23,10 @@ minute); `answered_per_s_by_5s` shows the whole phase, cold start included.
   backoff-front-expect  the same, each request with Expect: 100-continue (a refusal costs no body)
 
 Per kind and factor: answered per second within the measured window and its share of
-saturation's (goodput), answer latency, refusals, lost (any other error, or
+saturation's (goodput: against the saturation measured again right before the kind,
+`--beside-s` after `--beside-warmup-s`, so that each share is a ratio side by side
+while the machine's speed drifts over the run; `share_of_first_saturation` against
+the first), answer latency, refusals, lost (any other error, or
 no answer within `--timeout-s`), and the load generator's CPU. The C users
 (tools/overload_client.c, compiled here with `cc -O2`; one epoll thread, one
 keep-alive connection per user) report per attempt; the Python clients' users
@@ -379,6 +382,14 @@ def run(stack, args):
     phases = []
     for factor in args.factors:
         for kind in args.kinds:
+            beside = None
+            if args.beside_s:
+                # The saturation again, right before this kind: the machine's speed drifts over a
+                # run of many phases (a kind's share moved by about 0.07 between runs against one
+                # saturation measured at the start), so each share is a ratio side by side.
+                stack.settle(args)
+                beside = reference(users, args.beside_s, warmup_s=args.beside_warmup_s)
+                log(f"saturation beside {kind}: {beside['admitted_per_s']} answered/s")
             log(f"{kind} at {factor}x ({users * factor} users)")
             stack.settle(args)
             seen = stack.proxy.tally()
@@ -386,8 +397,7 @@ def run(stack, args):
             figures.update(kind=kind, factor=factor, **KINDS[kind])
             if "proxy" in kind:
                 figures["proxy_answers"] = stack.proxy.tally(since=seen)
-            figures["goodput_share"] = round(figures["admitted_per_s"] / saturation["admitted_per_s"], 2) \
-                if saturation["admitted_per_s"] else None
+            figures.update(shares(figures, saturation, beside))
             log(f"  {figures['admitted_per_s']} answered/s ({figures['goodput_share']} of saturation), "
                 f"{figures['rejected']} refused, {figures['lost']} lost {figures['lost_by_reason']}, "
                 f"{figures.get('retried', 0)} retried")
@@ -396,18 +406,34 @@ def run(stack, args):
             "table": table(saturation, phases), "verdict": judge(saturation, phases, args)}
 
 
+def shares(figures, saturation, beside=None):
+    """A phase's goodput as a share of saturation: `goodput_share` against the
+    saturation measured beside it when there is one (else the first),
+    `share_of_first_saturation` against the run's first."""
+    def share(base):
+        return round(figures["admitted_per_s"] / base["admitted_per_s"], 2) if base["admitted_per_s"] else None
+    out = {"share_of_first_saturation": share(saturation), "goodput_share": share(beside or saturation)}
+    if beside is not None:
+        out["saturation_beside"] = {key: beside[key] for key in
+                                    ("admitted_per_s", "admitted_p99_ms", "lost", "lost_sample")}
+    return out
+
+
 def _ms(value):
     return "" if value is None else f"{value:,.0f} ms"
 
 
 def table(saturation, phases):
     """The figures as docs/reliability.md#overload shows them (Markdown)."""
-    rows = ["| client | path | overload | users | answered/s | share of saturation | answer p50 | answer p99 "
-            "| refused | lost | load generator CPU |", "| --- " * 11 + "|"]
+    rows = ["| client | path | overload | users | answered/s | saturation beside (answered/s) | share of it "
+            "| share of the first saturation | answer p50 | answer p99 | refused | lost | load generator CPU |",
+            "| --- " * 13 + "|"]
     for p in [dict(saturation, client="C generator, back-off + jitter + Retry-After", path="Triton HTTP",
-                   factor=1, goodput_share=1.0), *phases]:
+                   factor=1, goodput_share=1.0, share_of_first_saturation=1.0), *phases]:
+        beside = p.get("saturation_beside", {}).get("admitted_per_s", "")
         rows.append(f"| {p['client']} | {p['path']} | {p['factor']}x | {p['users']} | {p['admitted_per_s']} | "
-                    f"{p['goodput_share']} | {_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
+                    f"{beside} | {p['goodput_share']} | {p.get('share_of_first_saturation', '')} | "
+                    f"{_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
                     f"{p['rejected']}{throttled_note(p)} | {p['lost']} | {p.get('load_generator_cpu_share', '')} |")
     return "\n".join(rows)
 
@@ -427,6 +453,9 @@ def judge(saturation, phases, args):
         where = f"{p['kind']} at {p['factor']}x"
         if p["lost"]:
             problems.append(f"{where}: {p['lost']} request(s) lost: {p['lost_sample']}")
+        if p.get("saturation_beside", {}).get("lost"):
+            problems.append(f"saturation beside {where}: {p['saturation_beside']['lost']} request(s) lost: "
+                            f"{p['saturation_beside']['lost_sample']}")
         need = KINDS[p["kind"]]["judged"]
         if p["factor"] == top and need is not None and (p["goodput_share"] or 0) < need:
             problems.append(f"{where}: goodput {p['goodput_share']} of saturation (target at least {need})")
@@ -455,6 +484,11 @@ def parse_args(argv):
                         help="overload factors, x the saturating users (default 20; e.g. 4,20)")
     parser.add_argument("--saturation", type=int, help="users that saturate the ensemble (default: measure)")
     parser.add_argument("--min-users", type=int, default=16, help="the sweep starts here")
+    parser.add_argument("--beside-s", type=float, default=30,
+                        help="measured seconds of the saturation phase run again right before each kind, "
+                             "whose goodput share is against it (0: against the first saturation only)")
+    parser.add_argument("--beside-warmup-s", type=float, default=15,
+                        help="seconds each saturation phase beside a kind runs before its --beside-s")
     parser.add_argument("--sweep-s", type=float, default=8,
                         help="measured seconds per step of the saturation sweep")
     parser.add_argument("--sweep-warmup-s", type=float, default=6,
