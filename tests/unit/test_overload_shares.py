@@ -41,3 +41,16 @@ def test_the_table_shows_the_saturation_beside_and_both_shares():
     first = dict(phase(50.0), users=128, rejected=0, admitted_p50_ms=900.0)
     row = overload.table(first, [kind]).splitlines()[-1]
     assert "| 36.0 | 40.0 | 0.9 | 0.72 |" in row
+
+
+def test_losses_fail_the_verdict_for_judged_kinds_but_not_the_unjudged_baseline():
+    args = SimpleNamespace(factors=[20], max_p99_ratio=3.0)
+
+    def kind(name):
+        figures = dict(phase(40.0, lost=3), kind=name, factor=20, rejected=0, lost_by_reason={})
+        figures.update(overload.shares(figures, phase(50.0), phase(42.0)))
+        return figures
+
+    assert overload.judge(phase(50.0), [kind("resend-bare")], args) == []
+    problems = overload.judge(phase(50.0), [kind("resend-proxy")], args)
+    assert problems == ["resend-proxy at 20x: 3 request(s) lost: []"]
