@@ -147,10 +147,13 @@ def _check_retries(retries, retry_backoff_s):
         raise ValueError("retries and retry_backoff_s must be >= 0")
 
 
-# Attempts the throttle holds back that one resend covers. At overload x the
-# throttle (k = 2) holds back about x / 2 - 1 attempts per one it sends; 10
-# covers 20x, so a request is not given up for attempts the server never saw.
-HELD_BACK_PER_RESEND = 10
+# Attempts the throttle holds back that one resend covers. At 20x overload it
+# held back 11 to 14 attempts per one it sent (make overload), on average: runs
+# of held-back attempts are geometric, so the bound sits well past the mean and
+# a request is seldom given up for attempts the server never saw. It also
+# bounds a call: at most retries x (1 + HELD_BACK_PER_RESEND) back-offs of at
+# most BACKOFF_CAP_S each.
+HELD_BACK_PER_RESEND = 30
 
 
 class _Attempts:
@@ -178,7 +181,7 @@ class _Attempts:
     def answered(self):
         self._client._count_accepted(None)
 
-    def wait_s(self, error):
+    def after_failure(self, error):
         """After a failed attempt: the seconds to wait before the next one, or
         raises what the caller gets."""
         client = self._client
@@ -390,7 +393,8 @@ class Client(_Throttling):
         itself (INVALID_ARG: a bad image, a limit) are never resent, nor is a
         request that timed out (the server may still be working on it).
         Attempts the throttle holds back unsent do not use a resend (up to
-        HELD_BACK_PER_RESEND x `retries` of them).
+        HELD_BACK_PER_RESEND x `retries` of them), so under a long overload a
+        call may wait up to retries x (1 + HELD_BACK_PER_RESEND) back-offs.
 
         `infer` raises TritonRequestError when the server answered with an
         error, and the connection's own error (ConnectionError, TimeoutError...)
@@ -423,7 +427,7 @@ class Client(_Throttling):
                 result = self._client.infer(self._model_name, inputs, outputs=outputs,
                                             parameters=parameters, headers=_copy(self._headers), **kwargs)
             except Exception as error:
-                wait_s = attempts.wait_s(error)
+                wait_s = attempts.after_failure(error)
             else:
                 attempts.answered()
                 return _parse(result, (time.perf_counter() - started) * 1e3)
@@ -551,7 +555,7 @@ class AsyncClient(_Throttling):
                     result = await self._client.infer(self._model_name, inputs, outputs=outputs,
                                                       parameters=parameters, headers=_copy(self._headers), **kwargs)
                 except Exception as error:
-                    wait_s = attempts.wait_s(error)
+                    wait_s = attempts.after_failure(error)
                 else:
                     attempts.answered()
                     return _parse(result, (time.perf_counter() - started) * 1e3)

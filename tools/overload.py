@@ -441,9 +441,10 @@ def table(saturation, phases):
 
 def judge(saturation, phases, args):
     """Targets (issue 23): goodput share at the top factor per kind (KINDS'
-    judged), admitted p99 within --max-p99-ratio x saturation's for the C
-    kinds that are judged (per attempt; the Python clients' latencies include
-    their retries: reported only), nothing lost anywhere."""
+    judged; against the saturation beside it), admitted p99 within
+    --max-p99-ratio x the first saturation's for the C kinds that are judged
+    (per attempt; the Python clients' latencies include their retries:
+    reported only), nothing lost by a judged kind nor at saturation."""
     if not saturation["admitted"]:
         return ["no request was answered at saturation"]
     problems = []

@@ -27,7 +27,7 @@
  *
  * With THROTTLE_K in the environment (> 0; back-off users only) the users
  * share classify_describe's adaptive throttle (classify_describe/throttle.py,
- * the same rule and defaults: k, a 30 s fading window, from 20 requests on),
+ * the same rule and defaults: k, a 10 s fading window, from 20 requests on),
  * as the users of one client object do: an attempt refused by it is recorded
  * as `throttled`, never sent, and backed off like a refusal.
  *

@@ -519,11 +519,14 @@ def test_the_readmes_tritonclient_recipe_retries_and_throttles(stand_in):
     # (requests - 2 x 6) / (requests + 1) > 0 refuses every further attempt (this throttle
     # refuses whenever the probability is above 0)
     assert sum(stand_in.attempts.values()) == 2 + 3 + 2 + 6
-    # held back unsent: no retry used, up to 10 per retry, then given up
-    gate, asked = namespace["throttle"], []
+    # held back unsent: no retry used, up to 30 per retry, then given up; no Retry-After floor
+    # for what was never sent
+    gate, asked, slept = namespace["throttle"], [], []
     allow = gate.allow
     gate.allow = lambda: asked.append(1) or allow()
-    namespace["time"] = types.SimpleNamespace(sleep=lambda seconds: None)
+    namespace["time"] = types.SimpleNamespace(sleep=slept.append)
+    namespace["random"] = types.SimpleNamespace(uniform=lambda low, high: low)
     with pytest.raises(RuntimeError, match="held back"):
-        namespace["infer_with_retries"](client, inputs(b"ok:held"), retries=2)
-    assert len(asked) == 1 + 10 * 2 and stand_in.attempts[b"ok:held"] == 0
+        namespace["infer_with_retries"](client, inputs(b"ok:held"), retries=2, retry_after_s=1.0)
+    assert len(asked) == 1 + 30 * 2 and stand_in.attempts[b"ok:held"] == 0
+    assert set(slept) == {0.0}
