@@ -62,6 +62,18 @@ def process_state(pid):
         return None
 
 
+def cpu_seconds(pid):
+    """User + system CPU seconds process pid has used so far (a zombie's still
+    read), or None once it is reaped: a caller that sums processes skips it, one
+    that measures a single process sees that it ended rather than a 0."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces and ")"
+    except OSError:  # a reaped process's /proc entry is gone, or goes while being read (ESRCH)
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: stat fields 14 and 15
+
+
 def stub_instance(pid):
     """The instance a Python stub process serves (`<model>_<group>_<instance>`),
     or None for any other process."""

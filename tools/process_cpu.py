@@ -20,6 +20,8 @@ import json
 import os
 import time
 
+from serving import procfs
+
 STUB_MODELS = ("classify_with_view", "describe", "preprocess", "classifier")
 PROCESSES = ("tritonserver", "openai_front", "nginx", "fake_openai", "overload_client", "overload_users")
 
@@ -34,19 +36,16 @@ def group(cmdline):
 
 def cpu_seconds():
     """{(group, pid): CPU seconds so far} of every process in a group."""
-    ticks = os.sysconf("SC_CLK_TCK")
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 name = group(f.read().replace(b"\0", b" ").decode(errors="replace"))
-            if name is None:
-                continue
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command, which may hold spaces
         except OSError:  # the process ended between listing and reading
             continue
-        found[(name, pid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        seconds = None if name is None else procfs.cpu_seconds(pid)
+        if seconds is not None:  # None: it ended since
+            found[(name, pid)] = seconds
     return found
 
 

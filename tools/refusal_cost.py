@@ -19,7 +19,6 @@ test.
 import argparse
 import json
 import logging
-import os
 import pathlib
 import socket
 import statistics
@@ -28,6 +27,7 @@ import sys
 import tempfile
 import time
 
+from serving.procfs import cpu_seconds
 from tools import host, overload
 
 MODES = ("body", "expect")
@@ -40,12 +40,6 @@ def serve(port):
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # as __main__: the access log
     front_main.serve(Settings(port=port, max_requests_in_flight=0))
-
-
-def cpu_s(pid):
-    """A process's CPU seconds so far, user + system (/proc/<pid>/stat fields 14 and 15)."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port():
@@ -73,11 +67,12 @@ def body_bytes(photo):
 def one_round(binary, port, pid, photo, users, seconds, mode):
     """(refusals, other outcomes, the front's CPU seconds, wall seconds) of one run of the generator."""
     with tempfile.NamedTemporaryFile("r", suffix=".attempts") as out:
-        before, started = cpu_s(pid), time.monotonic()
+        before, started = cpu_seconds(pid), time.monotonic()
         subprocess.run([str(binary), "127.0.0.1", str(port), overload.ENSEMBLE, str(users), str(seconds), "0",
                         "30000", str(photo), out.name, "openai", *(["expect"] if mode == "expect" else [])],
                        check=True, timeout=seconds + 90)
-        elapsed, used = time.monotonic() - started, cpu_s(pid) - before
+        # Never None: the front, our child, is not reaped before the end (a dead one reads as a zombie).
+        elapsed, used = time.monotonic() - started, cpu_seconds(pid) - before
         admitted, rejected, lost, retries = overload.parse_attempts(out)  # every attempt, drain included
     return len(rejected), len(admitted) + len(lost) + retries, used, elapsed
 

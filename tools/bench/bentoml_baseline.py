@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from serving.procfs import process_tree
+from serving.procfs import cpu_seconds, process_tree
 from tools import host, model_config
 from tools.bench.clients import _drive
 from tools.bench.harness import BENCH_API_KEY, FakeLLM, Triton, load_average
@@ -235,16 +235,7 @@ class BentoServer:
 
 
 def tree_cpu_s(pids):
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+    return sum(filter(None, map(cpu_seconds, pids)))  # a worker gone since counts nothing
 
 
 # -- the load generator ------------------------------------------------------------------------------

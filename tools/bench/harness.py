@@ -11,6 +11,7 @@ import subprocess
 import time
 
 from serving.procfs import children, http_json, model_of, stub_instance, tritonserver_pid
+from serving.procfs import cpu_seconds as process_cpu_seconds
 from tools.local_stack import FakeLLM as _FakeLLM
 from tools.local_stack import NotReady, TritonServer, free_port, log_tail
 
@@ -170,12 +171,7 @@ def cpu_seconds(server_root_pid, llm_pid):
     tick = os.sysconf("SC_CLK_TCK")
 
     def process(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return process_cpu_seconds(pid) or 0.0  # a process gone (a stub restarted) counts nothing
 
     with open("/proc/stat") as f:
         jiffies = [int(v) for v in f.readline().split()[1:]]

@@ -26,14 +26,13 @@ import asyncio
 import base64
 import datetime
 import json
-import os
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
 
-from serving.procfs import children
+from serving.procfs import children, cpu_seconds
 from tools import host
 from tools.bench.clients import _drive, _inputs, _percentile
 from tools.bench.harness import FakeLLM, Triton, load_average
@@ -51,12 +50,8 @@ def log(message):
 
 
 def process_cpu_s(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
+    seconds = cpu_seconds(pid)
+    return float("nan") if seconds is None else seconds  # the front gone: its figure unknown, not 0
 
 
 def front_pid(supervisor_pid):
