@@ -4,7 +4,8 @@ Samples /proc every `--interval-s` for `--seconds` and prints one JSON line per
 interval: the cores each group of processes used in it (user + system time of
 /proc/<pid>/stat), summed over the group's processes:
 
-  stub:<model>     each model's Python stubs (classify_with_view, describe, ...)
+  stub:<model>     each model's Python stubs (classify_with_view, describe, ...),
+                   named by the instance each serves (serving/procfs.py)
   tritonserver     the server itself (HTTP/gRPC frontends, ensemble, queues)
   openai_front, nginx, fake_openai, overload_client, overload_users: the rest of a
                    `make overload` stack and its load generators
@@ -22,15 +23,21 @@ import time
 
 from serving import procfs
 
-STUB_MODELS = ("classify_with_view", "describe", "preprocess", "classifier")
 PROCESSES = ("tritonserver", "openai_front", "nginx", "fake_openai", "overload_client", "overload_users")
 
 
-def group(cmdline):
-    """The group a process's command line belongs to, or None."""
-    if "triton_python_backend_stub" in cmdline:
-        model = next((m for m in STUB_MODELS if f"/{m}/" in cmdline), "other")
-        return f"stub:{model}"
+def group(pid):
+    """The group process pid belongs to, or None (also once it has ended)."""
+    instance = procfs.stub_instance(pid)
+    if instance is not None:
+        return f"stub:{procfs.model_of(instance)}"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    if procfs.STUB_NAME in cmdline:
+        return "stub:other"  # a stub serving no instance: a model's config check during a load
     return next((name for name in PROCESSES if name in cmdline), None)
 
 
@@ -38,13 +45,9 @@ def cpu_seconds():
     """{(group, pid): CPU seconds so far} of every process in a group."""
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                name = group(f.read().replace(b"\0", b" ").decode(errors="replace"))
-        except OSError:  # the process ended between listing and reading
-            continue
+        name = group(pid)
         seconds = None if name is None else procfs.cpu_seconds(pid)
-        if seconds is not None:  # None: it ended since
+        if seconds is not None:  # None: it ended since it was listed
             found[(name, pid)] = seconds
     return found
 
