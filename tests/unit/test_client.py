@@ -11,6 +11,7 @@ import asyncio
 import collections
 import http.client
 import http.server
+import itertools
 import json
 import pathlib
 import re
@@ -450,6 +451,44 @@ def test_held_back_attempts_are_bounded_by_the_resends(stand_in, no_backoff):
     assert stand_in.attempts[b"ok:once"] == 0
 
 
+def test_the_async_clients_held_back_attempts_are_bounded_by_the_resends(stand_in, no_backoff):
+    # every attempt held back: the first, then HELD_BACK_PER_RESEND per resend, then Throttled
+    async def run():
+        async with AsyncClient(stand_in.url, throttle=ScriptedThrottle(held_back=range(1000)), timeout_s=5,
+                               retries=2) as client:
+            with pytest.raises(client_module.Throttled):
+                await client.infer(b"ok:held")
+            return client.throttled, client.retried
+
+    throttled, retried = asyncio.run(run())
+    assert throttled == 1 + 2 * client_module.HELD_BACK_PER_RESEND and retried == 0
+    assert stand_in.attempts[b"ok:held"] == 0
+
+
+def test_a_refusal_after_the_resends_and_a_held_back_attempt_is_raised(stand_in, no_backoff):
+    # retries=1: refused (the resend used), held back (no resend needed), refused again: the
+    # server's refusal is what the caller gets, not a third attempt nor Throttled
+    def check(error, throttled, retried):
+        assert type(error) is TritonRequestError and error.answered and error.retryable
+        assert throttled == 1 and retried == 1
+
+    with Client(stand_in.url, throttle=ScriptedThrottle(held_back=[1]), timeout_s=5, retries=1) as client:
+        with pytest.raises(TritonRequestError) as caught:
+            client.infer(b"unavailable:sync")
+        check(caught.value, client.throttled, client.retried)
+    assert stand_in.attempts[b"unavailable:sync"] == 2
+
+    async def run():
+        async with AsyncClient(stand_in.url, throttle=ScriptedThrottle(held_back=[1]), timeout_s=5,
+                               retries=1) as client:
+            with pytest.raises(TritonRequestError) as caught:
+                await client.infer(b"unavailable:async")
+            return caught.value, client.throttled, client.retried
+
+    check(*asyncio.run(run()))
+    assert stand_in.attempts[b"unavailable:async"] == 2
+
+
 def test_the_async_clients_answers_count_as_accepted(stand_in):
     async def run():
         async with AsyncClient(stand_in.url, throttle=eager_throttle(), timeout_s=5) as client:
@@ -530,3 +569,9 @@ def test_the_readmes_tritonclient_recipe_retries_and_throttles(stand_in):
         namespace["infer_with_retries"](client, inputs(b"ok:held"), retries=2, retry_after_s=1.0)
     assert len(asked) == 1 + 30 * 2 and stand_in.attempts[b"ok:held"] == 0
     assert set(slept) == {0.0}
+    # the back-off's exponent is capped: an attempt far past a float's range waits cap_s, no OverflowError
+    namespace["throttle"], slept[:] = eager_throttle(), []
+    namespace["itertools"] = types.SimpleNamespace(count=lambda: itertools.count(10_000))
+    namespace["random"] = types.SimpleNamespace(uniform=lambda low, high: high)
+    namespace["infer_with_retries"](client, inputs(b"unavailable-once:late"), retries=1, retry_after_s=0)
+    assert slept == [5.0]  # cap_s
