@@ -46,6 +46,10 @@ class OnnxRuntimeSettings:
     # One thread per instance: several single-thread instances use a small CPU better than
     # one wide one (docs/classifier-runtime.md), and a thread pool of one never spins.
     intra_op_threads: int = 1
+    # Threads for a forward pass that starts while no other instance on the server's busy board
+    # is executing (busy_board.py): a lone request uses the idle core too, and a loaded server
+    # keeps one thread per instance. 1 (or <= intra_op_threads): always intra_op_threads.
+    idle_intra_op_threads: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +132,20 @@ def load(settings, model_dir, version, tensors: Tensors, device="cpu"):
             raise ConfigError(f"outputs {tensors.labels_name} and {tensors.scores_name} must both have dims [k], "
                               "k > 0 (the graph's k)")
         return OnnxClassifier(model_path, tensors.input_name, tensors.input_shape, tensors.input_dtype,
-                              tensors.scores_name, tensors.labels_name, tensors.k, settings.intra_op_threads)
+                              tensors.scores_name, tensors.labels_name, tensors.k, settings.intra_op_threads,
+                              settings.idle_intra_op_threads)
     labels = load_labels(pathlib.Path(model_dir) / settings.labels_file)
     return TorchScriptClassifier(model_path, labels, tensors.input_shape, settings.top_k if tensors.k == -1 else tensors.k,
                                  device, mean=settings.mean, std=settings.std, threads=settings.torch_num_threads)
 
 
-def classify_rows(classifier, batches):
+def classify_rows(classifier, batches, idle=False):
     """Several requests' pixels ([n, C, H, W] each) through one forward pass, the point of a dynamic
-    batch -> each request's (labels [n, k], scores [n, k]), in order. A failure raises for all of them."""
-    labels, scores = classifier.classify(np.concatenate(batches))
+    batch -> each request's (labels [n, k], scores [n, k]), in order. A failure raises for all of them.
+    idle: no other instance is executing, so the pass may take the idle cores (OnnxClassifier.idle_threads)."""
+    pixels = np.concatenate(batches)
+    wide = idle and classifier.idle_threads is not None
+    labels, scores = classifier.classify(pixels, idle=True) if wide else classifier.classify(pixels)
     ends = np.cumsum([len(pixels) for pixels in batches])[:-1]  # where each request's rows end
     return list(zip(np.split(labels, ends), np.split(scores, ends)))
 
@@ -157,37 +165,31 @@ class OnnxClassifier:
     """
 
     def __init__(self, model_path, input_name, input_shape, input_dtype, scores_name, labels_name, top_k,
-                 intra_op_threads=1):
-        import onnxruntime as ort
-
+                 intra_op_threads=1, idle_intra_op_threads=1):
         model_path = pathlib.Path(model_path)
         if not model_path.is_file():
             raise ConfigError(f"model file {model_path} not found (set parameter model_file, or run scripts/export_onnx.py)")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1  # the graph is a chain: nothing to run side by side
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # With more than one thread, workers that spin between ops take CPU the other
-        # instances and preprocess need on a small machine.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-        except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
-            raise ConfigError(f"{model_path.name} cannot be loaded by onnxruntime {ort.__version__}: {error}") from None
+        self.session = _onnx_session(model_path, intra_op_threads)
+        # A second session of the same graph with a wider thread pool, for a pass that starts while
+        # the other instances are idle (onnxruntime fixes a session's threads when it is made).
+        self.idle_threads = idle_intra_op_threads if idle_intra_op_threads > intra_op_threads else None
+        self.idle_session = _onnx_session(model_path, self.idle_threads) if self.idle_threads else self.session
         self.input_name, self.scores_name, self.labels_name = input_name, scores_name, labels_name
         self.input_dtype = np.dtype(input_dtype)
         self.intra_op_threads = intra_op_threads
         self._check_signature(model_path.name, list(input_shape))
-        # One dry run: proves the graph runs on this input and tells its k, so a config
-        # whose dims disagree fails at load, not on a request.
-        labels, scores = self.classify(np.zeros((1, *input_shape), dtype=input_dtype))
-        if labels.shape != (1, top_k) or scores.shape != (1, top_k):
-            raise ConfigError(
-                f"{model_path.name} returns {scores.shape[1:]} scores and {labels.shape[1:]} labels per image; "
-                f"the config's outputs ask for {top_k}"
-            )
+        # One dry run on each session: proves the graph runs on this input and tells its k, so a
+        # config whose dims disagree fails at load, not on a request.
+        for idle in (False, True):
+            labels, scores = self.classify(np.zeros((1, *input_shape), dtype=input_dtype), idle=idle)
+            if labels.shape != (1, top_k) or scores.shape != (1, top_k):
+                raise ConfigError(
+                    f"{model_path.name} returns {scores.shape[1:]} scores and {labels.shape[1:]} labels per image; "
+                    f"the config's outputs ask for {top_k}"
+                )
         self.top_k = top_k
-        self.details = f"{intra_op_threads} onnxruntime thread(s)"
+        self.details = f"{intra_op_threads} onnxruntime thread(s)" + (
+            f", {self.idle_threads} when the other instances are idle" if self.idle_threads else "")
 
     def _check_signature(self, file_name, input_shape):
         inputs = self.session.get_inputs()
@@ -209,13 +211,31 @@ class OnnxClassifier:
             if outputs.get(name) != kind:
                 raise ConfigError(f"{file_name} must have a {kind} output named {name}; it has {outputs}")
 
-    def classify(self, pixels):
-        """pixels [N, C, H, W] (cast to the config's input type) -> (labels object [N, k] of bytes, scores float32 [N, k])."""
+    def classify(self, pixels, idle=False):
+        """pixels [N, C, H, W] (cast to the config's input type) -> (labels object [N, k] of bytes, scores float32 [N, k]).
+        idle: on the idle_intra_op_threads session."""
         pixels = pixels.astype(self.input_dtype, copy=False)
-        scores, labels = self.session.run([self.scores_name, self.labels_name], {self.input_name: pixels})
+        session = self.idle_session if idle else self.session
+        scores, labels = session.run([self.scores_name, self.labels_name], {self.input_name: pixels})
         # onnxruntime hands strings back as str; Triton's BYTES tensors take bytes.
         encoded = np.array([label.encode("utf-8") for label in labels.ravel()], dtype=np.object_).reshape(labels.shape)
         return encoded, scores.astype(np.float32, copy=False)
+
+
+def _onnx_session(model_path, intra_op_threads):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1  # the graph is a chain: nothing to run side by side
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # With more than one thread, workers that spin between ops take CPU the other
+    # instances and preprocess need on a small machine.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types
+        raise ConfigError(f"{model_path.name} cannot be loaded by onnxruntime {ort.__version__}: {error}") from None
 
 
 # ---------------------------------------------------------------- torchscript
@@ -236,6 +256,8 @@ class TorchScriptClassifier:
     Pixels arrive as preprocess hands them over, RGB 0..255 (uint8, or the same values as
     float32), and are normalised in float32 before the forward pass.
     """
+
+    idle_threads = None  # torch's thread pool is one per process: no wider pass when the others are idle
 
     def __init__(self, model_path, labels, input_shape, top_k, device="cpu", mean=(127.0,) * 3, std=(128.0,) * 3,
                  threads=None):

@@ -11,6 +11,7 @@ import traceback
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from busy_board import join_board
 from classifier_runtime import ConfigError, Tensors, classify_rows, load, parse_settings
 from model_log import Log
 
@@ -38,6 +39,7 @@ class TritonPythonModel:
             self.classifier = load(settings, args["model_repository"], args["model_version"], tensors, device)
         except ConfigError as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
+        self.board = join_board(self.log)  # the instances holding "cpu" slots: is a core idle? (busy_board.py)
         self.log.info(f"ready: {settings.model_file}, runtime {settings.runtime}, top {self.classifier.top_k}, "
                       f"{self.classifier.details}")
 
@@ -57,6 +59,10 @@ class TritonPythonModel:
         return Tensors(INPUT_NAME, input_shape, input_dtype, SCORES_NAME, LABELS_NAME, labels_config["dims"][0])
 
     def execute(self, requests):
+        with self.board.executing():
+            return self._execute(requests)
+
+    def _execute(self, requests):
         responses = [None] * len(requests)
         batches = []  # (request index, pixels) of the requests that can run
         for index, request in enumerate(requests):
@@ -69,7 +75,7 @@ class TritonPythonModel:
         if not batches:
             return responses
         try:
-            results = classify_rows(self.classifier, [pixels for _, pixels in batches])
+            results = classify_rows(self.classifier, [pixels for _, pixels in batches], idle=self.board.others_busy() == 0)
         except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
             self.log.error(f"inference failed:\n{traceback.format_exc()}")
             internal = "internal error in the classifier"
@@ -84,6 +90,7 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
+        self.board.close()
         self.log.info("unloaded")
 
 

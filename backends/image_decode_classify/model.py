@@ -20,6 +20,7 @@ import triton_python_backend_utils as pb_utils
 from PIL import Image
 
 import error_contract as contract
+from busy_board import join_board
 from classifier_runtime import ConfigError as ClassifierConfigError
 from classifier_runtime import Tensors, classify_rows, load
 from classifier_runtime import parse_settings as classifier_settings
@@ -61,6 +62,7 @@ class TritonPythonModel:
             self.classifier = load(settings, classifier_dir, args["model_version"], self._tensors(model_config, decode))
         except (DecodeConfigError, ClassifierConfigError) as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
+        self.board = join_board(self.log)
         Image.MAX_IMAGE_PIXELS = decode.max_pixels  # Pillow's process-wide guard, as in preprocess
         self.preprocessor = ImagePreprocessor(decode)
         # VIEW only for a request that asks for it, and never encoded with LLM_VISION=off (decode_items).
@@ -80,6 +82,10 @@ class TritonPythonModel:
                        SCORES_NAME, LABELS_NAME, labels["dims"][0])
 
     def execute(self, requests):
+        with self.board.executing():  # the decode too: it keeps a core as busy as a forward pass
+            return self._execute(requests)
+
+    def _execute(self, requests):
         # Decode each request (a bad image fails alone), then one forward pass over every good one.
         responses = [None] * len(requests)
         decoded = []  # (request index, pixels [n, 3, crop, crop], views or None)
@@ -96,7 +102,7 @@ class TritonPythonModel:
         if not decoded:
             return responses
         try:
-            results = classify_rows(self.classifier, [pixels for _, pixels, _ in decoded])
+            results = self._classify([pixels for _, pixels, _ in decoded])
         except Exception:  # a bug or a runtime failure: the traceback goes to the log, not to the clients
             self.log.error(f"inference failed:\n{traceback.format_exc()}")
             for index, _, _ in decoded:
@@ -111,6 +117,10 @@ class TritonPythonModel:
             responses[index] = pb_utils.InferenceResponse(output_tensors=outputs)
         return responses
 
+    def _classify(self, batches):
+        # Asked as late as possible: a neighbour that started while this one decoded counts.
+        return classify_rows(self.classifier, batches, idle=self.board.others_busy() == 0)
+
     def _decode(self, request):
         """-> (pixels [n, 3, crop, crop], the views [n, 1] or None when the request does not ask for VIEW)."""
         images = pb_utils.get_input_tensor_by_name(request, INPUT_NAME).as_numpy()
@@ -118,6 +128,7 @@ class TritonPythonModel:
         return decode_items(self.preprocessor, images, view, self.vision_off)
 
     def finalize(self):
+        self.board.close()
         self.log.info("unloaded")
 
 

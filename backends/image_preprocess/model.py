@@ -13,6 +13,7 @@ import triton_python_backend_utils as pb_utils
 from PIL import Image
 
 import error_contract as contract
+from busy_board import join_board
 from image_decode import ConfigError, ImagePreprocessor, InvalidImage, decode_items, parse_settings, wants_view
 from model_log import Log
 
@@ -35,6 +36,8 @@ class TritonPythonModel:
             settings = self._load(model_config)
         except ConfigError as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
+        # A decode holds a "cpu" slot: a classifier pass must not take this core as idle (busy_board.py).
+        self.board = join_board(self.log)
         self.log.info(f"ready: {settings}")
 
     def _load(self, model_config):
@@ -58,7 +61,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         # One response per request, in order; a bad image fails only its own request.
-        return [self._respond(request) for request in requests]
+        with self.board.executing():
+            return [self._respond(request) for request in requests]
 
     def _respond(self, request):
         try:
@@ -79,6 +83,7 @@ class TritonPythonModel:
                                    pb_utils.TritonError.INTERNAL)
 
     def finalize(self):
+        self.board.close()
         self.log.info("unloaded")
 
 

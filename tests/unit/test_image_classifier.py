@@ -156,7 +156,8 @@ def pixels_of(preprocess, data):
     ({"runtime": "tensorrt"}, "parameter runtime is 'tensorrt': set it to \"onnxruntime\" or \"torchscript\""),
     ({"runtime": " "}, "parameter runtime is ' ': set it to"),
     ({"runtime": "onnxruntime", "torch_num_threads": "1"},
-     "unknown parameter(s) ['torch_num_threads'] for runtime onnxruntime; known: ['intra_op_threads', 'model_file', 'runtime']"),
+     "unknown parameter(s) ['torch_num_threads'] for runtime onnxruntime; "
+     "known: ['idle_intra_op_threads', 'intra_op_threads', 'model_file', 'runtime']"),
     ({"runtime": "torchscript", "intra_op_threads": "1"},
      "unknown parameter(s) ['intra_op_threads'] for runtime torchscript; known: ['labels_file', 'mean', 'model_file', "
      "'runtime', 'std', 'top_k', 'torch_num_threads']"),
@@ -169,7 +170,7 @@ def test_the_runtime_parameter_is_checked_at_load_and_says_what_to_fix(parameter
 
 def test_each_runtime_has_its_own_defaults():
     assert classifier_runtime.parse_settings({"runtime": "onnxruntime"}) == classifier_runtime.OnnxRuntimeSettings(
-        model_file=FP32, intra_op_threads=1)
+        model_file=FP32, intra_op_threads=1, idle_intra_op_threads=1)
     assert classifier_runtime.parse_settings({"runtime": " torchscript "}) == classifier_runtime.TorchScriptSettings(
         model_file="model.pt", labels_file="labels.txt", torch_num_threads=1, top_k=5,
         mean=(127.0, 127.0, 127.0), std=(128.0, 128.0, 128.0))
@@ -213,6 +214,31 @@ def test_committed_config_loads_and_serves_the_measured_default():
     model = make_model(model_config(None, parameters))
     assert model.classifier.top_k == 5 and model.classifier.intra_op_threads == 1
     assert model.classifier.session.get_session_options().intra_op_num_threads == 1
+    assert model.classifier.idle_session is model.classifier.session  # classify_with_view's setting, not this one's
+
+
+def test_a_pass_takes_the_idle_threads_only_when_asked_and_answers_the_same(preprocess, photos):
+    wide = make_model(onnx_config({"idle_intra_op_threads": "2"})).classifier
+    assert wide.idle_threads == 2 and wide.idle_session is not wide.session
+    assert wide.idle_session.get_session_options().intra_op_num_threads == 2
+    assert "1 onnxruntime thread(s), 2 when the other instances are idle" in wide.details
+    runs = []
+    for session in (wide.session, wide.idle_session):  # which session each call ran on
+        session.run = (lambda run, threads: lambda *a, **k: runs.append(threads) or run(*a, **k))(
+            session.run, session.get_session_options().intra_op_num_threads)
+    pixels = np.concatenate([pixels_of(preprocess, photo) for photo in photos.values()])
+    (narrow_labels, narrow_scores), (wide_labels, wide_scores) = (classifier_runtime.classify_rows(wide, [pixels], idle=idle)[0]
+                                                                  for idle in (False, True))
+    assert runs == [1, 2]
+    assert narrow_labels.tolist() == wide_labels.tolist()
+    np.testing.assert_allclose(wide_scores, narrow_scores, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("idle", ["1", "3"])
+def test_idle_threads_at_most_the_busy_ones_make_no_second_session(idle):
+    classifier = make_model(onnx_config({"intra_op_threads": "3", "idle_intra_op_threads": idle})).classifier
+    assert classifier.idle_threads is None and classifier.idle_session is classifier.session
+    assert "when the other instances are idle" not in classifier.details
 
 
 def test_a_config_without_model_file_serves_the_fp32_graph(fp32_model, fake_pb_utils_module):

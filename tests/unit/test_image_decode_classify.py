@@ -4,8 +4,10 @@ turn, fail a bad image alone, make VIEW only when asked, and be configured as th
 
 import io
 import json
+import os
 import pathlib
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -114,7 +116,7 @@ def test_a_bad_image_fails_alone(fused, photos):
 
 
 def test_a_classifier_failure_fails_the_decoded_requests_as_internal_without_details(fused, photos, monkeypatch):
-    def broken(pixels):
+    def broken(pixels, idle=False):
         raise RuntimeError("secret detail of the runtime")
 
     monkeypatch.setattr(fused.classifier, "classify", broken)
@@ -176,6 +178,8 @@ def test_the_config_keeps_preprocess_and_classifier_settings():
 
     fused = parameters("classify_with_view")
     assert fused.pop("classifier_model") == "classifier"
+    # Only classify_with_view, the CPU layout, holds a second session for lone requests (its memory).
+    assert fused.pop("idle_intra_op_threads") == "2" and "idle_intra_op_threads" not in parameters("classifier")
     assert fused == {**parameters("preprocess"), **parameters("classifier")}
 
 
@@ -194,3 +198,73 @@ def test_a_config_without_view_never_makes_one(photos):
     model = initialized(fused_module, "classify_with_view", config)
     response = model.execute([image_request(photos["coffee"])])[0]  # no outputs named: all the config has
     assert {tensor.name() for tensor in response.output_tensors()} == {"LABELS", "SCORES"}
+
+
+def test_a_pass_takes_the_idle_core_only_while_every_neighbour_is_idle(fused, photos, monkeypatch):
+    """busy_board.py across stubs: the committed config runs a lone request's forward pass on two
+    threads, and one beside a neighbour that holds a "cpu" slot on one."""
+    import busy_board
+
+    assert fused.classifier.idle_threads == 2
+    asked = []
+    classify = fused.classifier.classify
+    monkeypatch.setattr(fused.classifier, "classify", lambda pixels, idle=False: asked.append(idle) or classify(pixels, idle))
+    neighbour = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid())  # another stub of this "server"
+    try:
+        answers = [answer(fused.execute([image_request(photos["coffee"])])[0])]
+        with neighbour.executing():
+            answers.append(answer(fused.execute([image_request(photos["coffee"])])[0]))
+    finally:
+        neighbour.close()
+    assert asked == [True, False]
+    assert answers[0][0].tolist() == answers[1][0].tolist()
+
+
+def test_the_two_model_layout_takes_the_idle_core_the_same_way(two_models, photos, monkeypatch):
+    import busy_board
+
+    preprocess, _ = two_models
+    config = as_triton_json(REPOSITORY / "classifier/config.pbtxt")
+    config["parameters"]["idle_intra_op_threads"] = {"string_value": "2"}
+    classifier = initialized(classifier_module, "classifier", config)
+    assert classifier.classifier.idle_threads == 2
+    asked = []
+    classify = classifier.classifier.classify
+    monkeypatch.setattr(classifier.classifier, "classify", lambda pixels, idle=False: asked.append(idle) or classify(pixels, idle))
+    pixels = preprocess.execute([image_request(photos["coffee"], outputs=["PIXELS"])])[0].output("PIXELS")
+    neighbour = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid())
+    try:
+        answer(classifier.execute([pb_utils.InferenceRequest({"PIXELS": pixels})])[0])
+        with neighbour.executing():
+            answer(classifier.execute([pb_utils.InferenceRequest({"PIXELS": pixels})])[0])
+    finally:
+        neighbour.close()
+    assert asked == [True, False]
+
+
+@pytest.mark.parametrize("layout", ["fused", "preprocess", "classifier"])
+def test_every_model_holding_a_cpu_slot_is_busy_on_the_board_while_it_executes(layout, fused, two_models, photos,
+                                                                                 monkeypatch):
+    """A decode in preprocess keeps a core as busy as a forward pass: a neighbour's pass must not
+    count it idle. Seen from a neighbour stub while each model's execute runs."""
+    import busy_board
+
+    model = {"fused": fused, "preprocess": two_models[0], "classifier": two_models[1]}[layout]
+    if layout == "classifier":
+        pixels = two_models[0].execute([image_request(photos["coffee"], outputs=["PIXELS"])])[0].output("PIXELS")
+        request = pb_utils.InferenceRequest({"PIXELS": pixels})
+    else:
+        request = image_request(photos["coffee"])
+    # Its clock a second ahead: only an execution in progress counts, not one that just ended.
+    neighbour = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid(), clock=lambda: time.monotonic_ns() + 10**9)
+    seen = []
+    inner = {"fused": "_execute", "preprocess": "_respond", "classifier": "_execute"}[layout]
+    work = getattr(model, inner)
+    monkeypatch.setattr(model, inner, lambda *args: seen.append(neighbour.others_busy()) or work(*args))
+    try:
+        response = model.execute([request])
+        response = response[0] if isinstance(response, list) else response
+        assert not response.has_error()
+    finally:
+        neighbour.close()
+    assert seen == [1]

@@ -1,0 +1,1 @@
+../image_classifier/busy_board.py
