@@ -1,8 +1,11 @@
-"""tools/overload.py: each kind's goodput share is against the saturation measured beside it."""
+"""tools/overload.py: each kind's goodput share is against the saturations measured right before
+and right after it, and the verdict judges each kind's median share over the rounds."""
 
 from types import SimpleNamespace
 
 from tools import overload
+
+ARGS = SimpleNamespace(factors=[20], max_p99_ratio=3.0)
 
 
 def phase(answered, lost=0, **extra):
@@ -10,47 +13,66 @@ def phase(answered, lost=0, **extra):
                 **extra)
 
 
-def test_the_share_is_against_the_saturation_beside_and_the_first_is_kept():
-    first, beside = phase(50.0), phase(40.0)
-    shares = overload.shares(phase(36.0), first, beside)
-    assert shares["goodput_share"] == 0.9 and shares["share_of_first_saturation"] == 0.72
-    assert shares["saturation_beside"]["admitted_per_s"] == 40.0
+def kind(answered, name="client-grpc", round_=1, before=None, after=None, lost=0):
+    """A kind's phase as run() records it, its shares against the saturations around it."""
+    figures = dict(phase(answered, lost=lost), kind=name, factor=20, round=round_, rejected=0, lost_by_reason={},
+                   users=2560, admitted_p50_ms=1000.0, client="c", path="p")
+    figures.update(overload.shares(figures, phase(50.0), before or phase(40.0), after or phase(40.0)))
+    return figures
 
 
-def test_without_a_saturation_beside_the_share_is_against_the_first():
-    shares = overload.shares(phase(36.0), phase(50.0))
-    assert shares["goodput_share"] == shares["share_of_first_saturation"] == 0.72
-    assert "saturation_beside" not in shares
+def test_the_share_is_against_the_mean_of_the_saturations_before_and_after_and_the_first_is_kept():
+    shares = overload.shares(phase(36.0), phase(50.0), phase(40.0), phase(44.0))
+    assert shares["goodput_share"] == 0.86 and shares["share_of_first_saturation"] == 0.72  # 36 / 42, 36 / 50
+    assert shares["saturation_beside_per_s"] == 42.0
+    assert shares["saturation_before"]["admitted_per_s"] == 40.0 and shares["saturation_after"]["admitted_per_s"] == 44.0
 
 
-def test_a_loss_beside_a_kind_fails_the_verdict_and_the_share_is_judged():
-    args = SimpleNamespace(factors=[20], max_p99_ratio=3.0)
-    kind = dict(phase(36.0), kind="client-grpc", factor=20, rejected=0, lost_by_reason={})
-    kind.update(overload.shares(kind, phase(50.0), phase(40.0, lost=2)))
-    problems = overload.judge(phase(50.0), [kind], args)
-    assert len(problems) == 1 and "saturation beside client-grpc at 20x: 2 request(s) lost" in problems[0]
-    kind.update(overload.shares(kind, phase(50.0), phase(46.0)))  # 36 / 46 = 0.78 < 0.8
-    problems = overload.judge(phase(50.0), [kind], args)
-    assert any("goodput 0.78 of saturation" in problem for problem in problems)
+def test_with_one_saturation_beside_the_share_is_against_it_and_with_none_against_the_first():
+    assert overload.shares(phase(36.0), phase(50.0), phase(40.0))["goodput_share"] == 0.9
+    assert overload.shares(phase(36.0), phase(50.0), None, phase(45.0))["goodput_share"] == 0.8
+    alone = overload.shares(phase(36.0), phase(50.0))
+    assert alone["goodput_share"] == alone["share_of_first_saturation"] == 0.72
+    assert "saturation_before" not in alone and "saturation_beside_per_s" not in alone
 
 
-def test_the_table_shows_the_saturation_beside_and_both_shares():
-    kind = dict(phase(36.0), kind="client-grpc", factor=20, users=2560, rejected=5, admitted_p50_ms=1000.0,
-                client="c", path="p")
-    kind.update(overload.shares(kind, phase(50.0), phase(40.0)))
+def test_a_loss_in_any_saturation_beside_fails_the_verdict_once():
+    # The saturation after the first kind is the one before the second: reported once.
+    shared = phase(40.0, lost=2)
+    first = kind(36.0, before=phase(40.0, lost=1), after=shared)
+    second = kind(36.0, name="backoff-bare", before=shared, after=phase(40.0))
+    problems = overload.judge(phase(50.0), [first, second], ARGS)
+    assert problems == ["saturation before client-grpc at 20x: 1 request(s) lost: []",
+                        "saturation after client-grpc at 20x: 2 request(s) lost: []"]
+
+
+def test_the_verdict_judges_the_median_share_over_the_rounds():
+    passing = [kind(answered) for answered in (30.0, 34.0, 33.0)]  # 0.75, 0.85, 0.82: median 0.82
+    assert overload.judge(phase(50.0), passing, ARGS) == []
+    failing = [kind(answered, round_=i + 1) for i, answered in enumerate((30.0, 31.2, 34.0))]  # 0.75, 0.78, 0.85
+    assert overload.judge(phase(50.0), failing, ARGS) == [
+        "client-grpc at 20x: goodput 0.78 of saturation (median of 0.75, 0.78, 0.85) (target at least 0.8)"]
+    assert overload.judge(phase(50.0), [kind(31.2)], ARGS) == [
+        "client-grpc at 20x: goodput 0.78 of saturation (target at least 0.8)"]
+
+
+def test_by_kind_keeps_each_round_and_counts_every_loss():
+    rounds = [kind(30.0, lost=1), kind(34.0, round_=2, lost=2), kind(20.0, name="resend-proxy", lost=4)]
+    summary = {k["kind"]: k for k in overload.by_kind(rounds)}
+    assert summary["client-grpc"]["shares"] == [0.75, 0.85] and summary["client-grpc"]["median_share"] == 0.8
+    assert summary["client-grpc"]["lost"] == 3 and summary["resend-proxy"]["lost"] == 4
+    assert summary["resend-proxy"]["judged"] == 0.6
+
+
+def test_the_tables_show_the_round_the_saturation_beside_and_the_median():
     first = dict(phase(50.0), users=128, rejected=0, admitted_p50_ms=900.0)
-    row = overload.table(first, [kind]).splitlines()[-1]
-    assert "| 36.0 | 40.0 | 0.9 | 0.72 |" in row
+    row = overload.table(first, [kind(36.0, round_=2, before=phase(40.0), after=phase(44.0))]).splitlines()[-1]
+    assert "| 20x | 2 | 2560 | 36.0 | 42.0 | 0.86 | 0.72 |" in row
+    summary = overload.kinds_table(overload.by_kind([kind(30.0), kind(34.0, round_=2)])).splitlines()[-1]
+    assert summary == "| client-grpc | 20x | 0.75, 0.85 | 0.8 | 0.8 | 0 |"
 
 
 def test_losses_fail_the_verdict_for_judged_kinds_but_not_the_unjudged_baseline():
-    args = SimpleNamespace(factors=[20], max_p99_ratio=3.0)
-
-    def kind(name):
-        figures = dict(phase(40.0, lost=3), kind=name, factor=20, rejected=0, lost_by_reason={})
-        figures.update(overload.shares(figures, phase(50.0), phase(42.0)))
-        return figures
-
-    assert overload.judge(phase(50.0), [kind("resend-bare")], args) == []
-    problems = overload.judge(phase(50.0), [kind("resend-proxy")], args)
+    assert overload.judge(phase(50.0), [kind(40.0, name="resend-bare", lost=3)], ARGS) == []
+    problems = overload.judge(phase(50.0), [kind(40.0, name="resend-proxy", lost=3)], ARGS)
     assert problems == ["resend-proxy at 20x: 3 request(s) lost: []"]
