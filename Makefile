@@ -224,9 +224,10 @@ soak: build
 # users backing off, classify_describe (gRPC, HTTP through the proxy), the openai
 # SDK through the front, C users backing off through the front without and with
 # Expect: 100-continue. Each phase runs a 60 s warm-up, then its measured 30 s
-# (the steady state; docs/reliability.md#overload), each kind right after the
-# saturation measured again (its share is against that one). About 25 minutes;
-# fails below the goodput targets or if anything is lost.
+# (the steady state; docs/reliability.md#overload), each kind between two
+# saturation phases measured again (its share is against their mean). About 27
+# minutes; fails below the goodput targets or if anything is lost.
+# --rounds N measures every kind N times and judges its median share.
 #   make overload OVERLOAD_ARGS="--saturation 64 --factors 4,20 --phase-s 60"
 #   make overload OVERLOAD_ARGS="--kinds openai-front --saturation 128 --warmup-s 30"
 .PHONY: overload
