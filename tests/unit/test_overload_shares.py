@@ -76,3 +76,40 @@ def test_losses_fail_the_verdict_for_judged_kinds_but_not_the_unjudged_baseline(
     assert overload.judge(phase(50.0), [kind(40.0, name="resend-bare", lost=3)], ARGS) == []
     problems = overload.judge(phase(50.0), [kind(40.0, name="resend-proxy", lost=3)], ARGS)
     assert problems == ["resend-proxy at 20x: 3 request(s) lost: []"]
+
+
+def sweep_args(repeats=1):
+    return SimpleNamespace(min_users=16, max_users=256, sweep_s=8, sweep_repeats=repeats)
+
+
+def scripted_drive(rates):
+    """A sweep step per call: answered/s from `rates[users]`, one value after the other."""
+    calls = []
+
+    def drive(users, seconds):
+        calls.append(users)
+        return {"users": users, "admitted_per_s": rates[users].pop(0)}
+    return drive, calls
+
+
+def test_a_noisy_step_past_the_knee_is_measured_again_and_the_pick_made_on_the_means():
+    # One pass: 256 looks best (43.0 against 128's 39.0), as a noisy step did on one run.
+    drive, calls = scripted_drive({16: [15.0], 32: [29.0], 64: [37.0, 38.0], 128: [39.0, 44.0],
+                                   256: [43.0, 38.0]})
+    users, sweep = overload.saturating_users(drive, sweep_args())
+    assert calls == [16, 32, 64, 128, 256, 128, 256]  # the pick (256) and the step beside it, again
+    assert users == 128  # means: 128 -> 41.5, 256 -> 40.5
+    assert [r["users"] for r in sweep if r.get("repeat")] == [128, 256]
+
+
+def test_without_repeats_the_sweep_picks_on_one_pass():
+    drive, calls = scripted_drive({16: [15.0], 32: [29.0], 64: [37.0], 128: [39.0], 256: [43.0]})
+    assert overload.saturating_users(drive, sweep_args(repeats=0))[0] == 256
+    assert calls == [16, 32, 64, 128, 256]
+
+
+def test_the_knee_is_the_fewest_users_within_5_percent_of_the_best_mean():
+    sweep = [{"users": u, "admitted_per_s": r} for u, r in ((32, 30.0), (64, 41.0), (128, 42.0), (64, 40.0))]
+    assert overload.knee(sweep) == 64  # 40.5 >= 0.95 * 42
+    sweep.append({"users": 64, "admitted_per_s": 30.0})  # 64's mean falls to 37
+    assert overload.knee(sweep) == 128
