@@ -47,8 +47,9 @@ class OnnxRuntimeSettings:
     # one wide one (docs/classifier-runtime.md), and a thread pool of one never spins.
     intra_op_threads: int = 1
     # Threads for a forward pass that starts while no other instance on the server's busy board
-    # is executing (busy_board.py): a lone request uses the idle core too, and a loaded server
-    # keeps one thread per instance. 1 (or <= intra_op_threads): always intra_op_threads.
+    # is executing or finished within the last 2 ms (busy_board.py): a lone request uses the idle
+    # core too, and a loaded server keeps one thread per instance. 1 (or <= intra_op_threads):
+    # always intra_op_threads.
     idle_intra_op_threads: int = 1
 
 
@@ -180,7 +181,7 @@ class OnnxClassifier:
         self._check_signature(model_path.name, list(input_shape))
         # One dry run on each session: proves the graph runs on this input and tells its k, so a
         # config whose dims disagree fails at load, not on a request.
-        for idle in (False, True):
+        for idle in (False, True) if self.idle_threads else (False,):
             labels, scores = self.classify(np.zeros((1, *input_shape), dtype=input_dtype), idle=idle)
             if labels.shape != (1, top_k) or scores.shape != (1, top_k):
                 raise ConfigError(

@@ -12,3 +12,15 @@ pb_utils = fake_pb_utils.install()
 def fake_pb_utils_module():
     fake_pb_utils.Logger.records.clear()
     return pb_utils
+
+
+@pytest.fixture(scope="session", autouse=True)
+def busy_boards_apart(tmp_path_factory):
+    """The models' busy boards (backends/image_classifier/busy_board.py) in a folder of this run,
+    not /dev/shm: a run stopped inside an execution must not leave a flag a later run sees."""
+    import busy_board
+
+    folder = str(tmp_path_factory.mktemp("busy_boards"))
+    real, busy_board.default_directory = busy_board.default_directory, lambda: folder
+    yield
+    busy_board.default_directory = real

@@ -4,6 +4,7 @@ processes, so a forward pass takes the idle core only when it is idle (idle_intr
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,7 +83,9 @@ def test_boards_of_other_servers_and_names_are_apart(tmp_path, clock):
 def test_a_dead_stub_left_executing_is_cleared_and_its_slot_reused(tmp_path, clock):
     """A stub killed mid-execution leaves its flag set; the next stub to join frees the slot."""
     gone = busy_board.BusyBoard("cpu", server_pid=SERVER, directory=tmp_path, pid=dead_pid(), clock=clock)
-    gone.executing().__enter__()  # and never leaves
+    left_inside = gone.executing()  # held: a context manager collected would leave its block
+    left_inside.__enter__()  # and never leaves
+    assert gone.slots[0]["executing"] == 1
     mine = busy_board.BusyBoard("cpu", server_pid=SERVER, directory=tmp_path, clock=clock)
     clock.now += busy_board.SETTLE_NS
     assert mine.slot == 0 and mine.others_busy() == 0
@@ -114,13 +117,65 @@ def test_close_frees_the_slot(tmp_path, clock):
     assert second.slot == 0
 
 
-def test_boards_of_servers_that_are_gone_are_removed(tmp_path, clock):
-    gone = tmp_path / f"triton-{dead_pid()}-cpu.busy"
-    live = tmp_path / f"triton-{SERVER}-cpu.busy"
-    gone.write_bytes(b"")
-    live.write_bytes(b"")
+def test_boards_of_servers_that_are_gone_or_restarted_are_removed(tmp_path, clock):
+    started = busy_board.process_start(SERVER)
+    gone = tmp_path / f"triton-{dead_pid()}-{started}-cpu.busy"
+    restarted = tmp_path / f"triton-{SERVER}-{started - 1}-cpu.busy"  # the same PID, started earlier
+    live = tmp_path / f"triton-{SERVER}-{started}-cpu.busy"
+    odd = tmp_path / "triton-x-1-cpu.busy"  # not a server's name: left alone, no crash
+    for path in (gone, restarted, live, odd):
+        path.write_bytes(b"")
     busy_board.BusyBoard("cpu", server_pid=os.getpid(), directory=tmp_path, clock=clock).close()
-    assert not gone.exists() and live.exists()
+    assert not gone.exists() and not restarted.exists() and live.exists() and odd.exists()
+
+
+def test_a_zombie_stub_left_executing_is_cleared(tmp_path, clock):
+    """Triton 2.51 leaves a killed stub a zombie: alive to kill(pid, 0), gone to the board."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        zombie = busy_board.BusyBoard("cpu", server_pid=SERVER, directory=tmp_path, pid=child.pid, clock=clock)
+        left_inside = zombie.executing()  # held: a context manager collected would leave its block
+        left_inside.__enter__()
+        assert zombie.slots[0]["executing"] == 1
+        child.kill()
+        deadline = time.monotonic() + 30
+        while busy_board.process_start(child.pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # until the kernel has made it a zombie (it is not reaped: no wait())
+        mine = busy_board.BusyBoard("cpu", server_pid=SERVER, directory=tmp_path, clock=clock)
+        assert mine.slot == 0 and mine.others_busy() == 0
+    finally:
+        child.wait()
+
+
+def test_an_executing_flag_older_than_any_execution_stops_counting(boards, clock):
+    """A stub that died mid-execution and whose PID lives on (reused): its flag counts STALE_NS at most."""
+    mine, neighbour = boards
+    left_inside = neighbour.executing()  # held: a context manager collected would leave its block
+    left_inside.__enter__()  # and never leaves
+    clock.now += busy_board.STALE_NS - 1
+    assert mine.others_busy() == 1
+    clock.now += 1
+    assert mine.others_busy() == 0
+
+
+@pytest.mark.parametrize("plant", ["symlink", "hardlink"])
+def test_a_board_file_that_is_not_a_plain_file_of_ours_is_refused(tmp_path, clock, plant):
+    """Its name is predictable: another local user could plant a link to steer or break it."""
+    board_name = f"triton-{SERVER}-{busy_board.process_start(SERVER)}-cpu.busy"
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(busy_board.SLOTS * busy_board.SLOT.itemsize))
+    (tmp_path / board_name).symlink_to(target) if plant == "symlink" else os.link(target, tmp_path / board_name)
+    board = busy_board.BusyBoard("cpu", server_pid=SERVER, directory=tmp_path, clock=clock)
+    assert board.slot is None and "unavailable" in board.error
+    assert target.read_bytes() == bytes(busy_board.SLOTS * busy_board.SLOT.itemsize)  # untouched
+
+
+def test_after_close_the_board_is_off_and_harmless(tmp_path, clock):
+    board = busy_board.BusyBoard("cpu", server_pid=SERVER, directory=tmp_path, clock=clock)
+    board.close()
+    with board.executing():
+        assert board.others_busy() == busy_board.SLOTS
+    board.close()
 
 
 def test_a_process_has_one_place_on_a_board(tmp_path, clock):

@@ -268,3 +268,37 @@ def test_every_model_holding_a_cpu_slot_is_busy_on_the_board_while_it_executes(l
     finally:
         neighbour.close()
     assert seen == [1]
+
+
+def test_whether_the_others_are_idle_is_asked_after_the_decode(fused, photos, monkeypatch):
+    """A neighbour that starts while this instance decodes takes its core: the pass runs narrow."""
+    import busy_board
+
+    asked = []
+    classify = fused.classifier.classify
+    monkeypatch.setattr(fused.classifier, "classify", lambda pixels, idle=False: asked.append(idle) or classify(pixels, idle))
+    neighbour = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid())
+    starts = neighbour.executing()
+    decode = fused._decode
+    monkeypatch.setattr(fused, "_decode", lambda request: (decode(request), starts.__enter__())[0])
+    try:
+        answer(fused.execute([image_request(photos["coffee"])])[0])
+    finally:
+        starts.__exit__(None, None, None)
+        neighbour.close()
+    assert asked == [False]
+
+
+@pytest.mark.parametrize("name", ["classify_with_view", "preprocess", "classifier"])
+def test_unloading_an_instance_gives_its_place_on_the_board_back(name, tmp_path, monkeypatch):
+    import busy_board
+
+    monkeypatch.setattr(busy_board, "default_directory", lambda: str(tmp_path))  # apart from the module's models
+    module = {"classify_with_view": fused_module, "preprocess": preprocess_module, "classifier": classifier_module}[name]
+    model = initialized(module, name, as_triton_json(REPOSITORY / name / "config.pbtxt"))
+    assert model.board.slot == 0 and model.board.error is None
+    model.finalize()
+    assert model.board.slot is None
+    after = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid())  # another live stub joining
+    assert after.slot == 0  # 1 if the unloaded instance still held its place
+    after.close()
