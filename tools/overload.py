@@ -470,7 +470,7 @@ def by_kind(phases):
         grouped.setdefault((p["kind"], p["factor"]), []).append(p)
     return [{"kind": kind, "factor": factor, "judged": KINDS[kind]["judged"],
              "shares": [p["goodput_share"] for p in rounds],
-             "median_share": statistics.median(p["goodput_share"] or 0 for p in rounds),
+             "median_share": round(statistics.median(p["goodput_share"] or 0 for p in rounds), 3),
              "lost": sum(p["lost"] for p in rounds)}
             for (kind, factor), rounds in grouped.items()]
 

@@ -60,6 +60,8 @@ def test_by_kind_keeps_each_round_and_counts_every_loss():
     rounds = [kind(30.0, lost=1), kind(34.0, round_=2, lost=2), kind(20.0, name="resend-proxy", lost=4)]
     summary = {k["kind"]: k for k in overload.by_kind(rounds)}
     assert summary["client-grpc"]["shares"] == [0.75, 0.85] and summary["client-grpc"]["median_share"] == 0.8
+    odd = overload.by_kind([kind(15.6), kind(18.4, round_=2)])[0]  # 0.39 and 0.46: 0.425, not 0.42499999999999993
+    assert odd["median_share"] == 0.425
     assert summary["client-grpc"]["lost"] == 3 and summary["resend-proxy"]["lost"] == 4
     assert summary["resend-proxy"]["judged"] == 0.6
 
