@@ -4,7 +4,8 @@ One run: the fake LLM (1 s), one tritonserver with its OpenAI front, and the
 shedding proxy shipped in deploy/nginx in front of its HTTP port. First the
 saturating concurrency: the fewest users (16, 32, ...) within 5 % of the best
 throughput, the pick and the steps beside it measured again and judged on their
-means (`--saturation N` skips the sweep), measured with C users that back off. Then every client kind (KINDS, `--kinds`) at each overload factor
+means (`--saturation N` skips the sweep), measured with C users that back off.
+Then every client kind (KINDS, `--kinds`) at each overload factor
 (`--factors`, default 20x the saturating users). Each phase, the saturation's
 too, runs `--warmup-s` before its measured `--phase-s`: goodput is the
 steady state, not the instant thousands of users start together (a client
