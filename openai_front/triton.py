@@ -157,7 +157,9 @@ def _coded_error(coded):
     if coded.code == contract.OVERLOADED:
         return unavailable(f"{coded.text}; retry later")
     if coded.code == contract.MODEL_UNLOADING:
-        return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
+        # Its text says which (the model unloading, or the server shutting down:
+        # go to another replica) and what to do; the client needs both.
+        return unavailable(coded.text)
     if coded.code == contract.REQUEST_CANCELLED:
         return unavailable("the inference server is unavailable; retry later")
     return FrontError(500, f"the pipeline failed: {coded.text}", type="server_error", code="server_error")

@@ -863,11 +863,24 @@ def upstream_key_check(stats, llm_key):
 SHUTDOWN_ENDINGS = ("the OpenAI front is shutting down", "the server is shutting down: retry on another replica")
 
 
+def _met_stub_down(error):
+    return "is not healthy" in error["error"]
+
+
+def _ended_by_shutdown(error):
+    return any(ending in error["error"] for ending in SHUTDOWN_ENDINGS)
+
+
 def expected_failures(tally):
     """(met the killed stub, streams ended by the restart's shutdown): the failures that are by design."""
-    stub_down = sum("is not healthy" in e["error"] for e in tally.errors)
-    shutdown = sum(any(ending in e["error"] for ending in SHUTDOWN_ENDINGS) for e in tally.errors)
-    return stub_down, shutdown
+    return sum(map(_met_stub_down, tally.errors)), sum(map(_ended_by_shutdown, tally.errors))
+
+
+def unexpected_errors(tally, most=3):
+    """The distinct texts of the first failures not by design, so a red run says what failed."""
+    texts = [f"{e['phase']}/{e['path']}: {e['error']}" for e in tally.errors
+             if not (_met_stub_down(e) or _ended_by_shutdown(e))]
+    return list(dict.fromkeys(texts))[:most]
 
 
 def path_problems(tally, mix):
@@ -903,7 +916,7 @@ def judge(seen):
         problems.append(f"{valid['lost']} valid request(s) lost (no valid answer): {kinds}")
     if valid["failed"] - stub_down - shutdown:
         problems.append(f"{valid['failed'] - stub_down - shutdown} valid request(s) failed other than on the "
-                        "killed stub or a stream the restart's shutdown ended")
+                        f"killed stub or a stream the restart's shutdown ended: {unexpected_errors(tally)}")
     problems += path_problems(tally, seen.mix)
     if seen.hostile["clear"] != seen.hostile["sent"]:
         problems.append(f"{seen.hostile['sent'] - seen.hostile['clear']} hostile request(s) "

@@ -499,6 +499,14 @@ def test_stream_errors_map_on_the_error_contracts_code_and_field(message, status
         assert mapped.code == "upstream_unavailable" and message[message.index("("):] in mapped.message
 
 
+@pytest.mark.parametrize("text", ["the model is unloading; retry later",
+                                  "the server is shutting down: retry on another replica"])
+def test_an_unloading_model_says_whether_the_server_is_shutting_down(text):
+    # At a shutdown the client should go to another replica, not wait for this one.
+    mapped = front_error(InferenceServerException(contract.tagged(contract.MODEL_UNLOADING, text)))
+    assert (mapped.status, mapped.message) == (503, text)
+
+
 def test_the_upstream_failure_of_the_plain_ensemble_says_so_too():
     error = InferenceServerException("in ensemble 'classify_and_describe', " + contract.tagged(
         contract.UPSTREAM_UNAVAILABLE, "the LLM upstream could not answer (timeout)"), status="StatusCode.UNAVAILABLE")

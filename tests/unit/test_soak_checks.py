@@ -305,8 +305,10 @@ def test_a_path_of_the_mix_that_never_answers():
     ("restart", "error event: the OpenAI front is shutting down", []),
     ("stub_kill", "error event: the OpenAI front is shutting down", []),  # sent before, still open at the restart
     ("restart", "[code=model_unloading] the server is shutting down: retry on another replica", []),  # on Triton's gRPC
+    ("restart", "error event: the server is shutting down: retry on another replica", []),  # through the front
     ("restart", "HTTP 503: the inference server is unavailable; retry later",
-     ["1 valid request(s) failed other than on the killed stub or a stream the restart's shutdown ended"]),
+     ["1 valid request(s) failed other than on the killed stub or a stream the restart's shutdown ended: "
+      "['restart/front_stream: TritonRequestError: HTTP 503: the inference server is unavailable; retry later']"]),
 ])
 def test_a_stream_the_front_ended_at_its_shutdown(phase, error, problems):
     tally = new_tally()
