@@ -59,6 +59,8 @@ class Throttled(TritonRequestError):
 # out, or the server said UNAVAILABLE (gRPC status, HTTP 503: stopping, model
 # not ready). Never an answer that says the request itself is wrong.
 _UNAVAILABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503"}
+# Triton's queue policy refuses with these (full; waited past its timeout).
+QUEUE_REFUSALS = ("Exceeds maximum queue size", "Request timeout expired")
 _TIMEOUT_STATUSES = {"StatusCode.DEADLINE_EXCEEDED"}  # gRPC's client_timeout
 
 
@@ -90,10 +92,11 @@ def _retryable(error, module):
 
 def _server_answered(error, module):
     # gRPC reports a connection it could not make as UNAVAILABLE too; the
-    # server's own UNAVAILABLE (a queue policy's refusal) says why.
+    # server's own UNAVAILABLE (a queue policy's refusal: full, or waited too long) says why.
     if not isinstance(error, module.InferenceServerException) or _timed_out(error, module):
         return False
-    return str(error.status()) != "StatusCode.UNAVAILABLE" or "queue size" in (error.message() or "")
+    message = error.message() or ""
+    return str(error.status()) != "StatusCode.UNAVAILABLE" or any(text in message for text in QUEUE_REFUSALS)
 
 
 def _resend(error, module):

@@ -29,6 +29,7 @@ INFERENCE_KEY_HEADER = "triton-grpc-protocol-inference-key"
 UNKNOWN_MODEL = "Request for unknown model"              # Triton: the model is not loaded (NOT_FOUND)
 NO_VERSIONS = "has no available versions"                # Triton: loading or unloading (NOT_FOUND)
 QUEUE_FULL = "Exceeds maximum queue size"                # Triton: the queue is full (UNAVAILABLE)
+QUEUE_TIMEOUT = "Request timeout expired"                # Triton: waited its queue's time limit (UNAVAILABLE)
 SERVER_STOPPING = "Server is stopping"                   # Triton: shutting down (UNAVAILABLE)
 # The pipeline's inputs and parameters -> the request field they came from.
 REQUEST_FIELDS = {"IMAGE": "messages", "PROMPT": "messages", "conversation": "messages",
@@ -136,7 +137,7 @@ def front_error(error):
         return _coded_error(coded)
     if text.startswith(UNKNOWN_MODEL) or NO_VERSIONS in text:
         return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
-    if QUEUE_FULL in text or text.startswith(SERVER_STOPPING):
+    if QUEUE_FULL in text or QUEUE_TIMEOUT in text or text.startswith(SERVER_STOPPING):
         return unavailable(f"the server is overloaded or restarting ({text}); retry later")
     if "INVALID_ARGUMENT" in status:
         return invalid(message)

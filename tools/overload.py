@@ -72,7 +72,7 @@ import time
 import numpy as np
 
 from classify_describe import throttle  # and their adaptive throttle (backoff-bare)
-from classify_describe.client import backoff_s  # the clients' own back-off
+from classify_describe.client import QUEUE_REFUSALS, backoff_s  # the clients' own back-off and refusals
 from tools import host
 from tools.local_stack import FakeLLM, TritonServer
 from tools.nginx import ShedProxy
@@ -83,7 +83,6 @@ C_SOURCE = REPO / "tools/overload_client.c"
 ENSEMBLE = "classify_and_describe"
 # A queue policy's refusal; any other error (UNAVAILABLE included: a model
 # unloading, the LLM step failing with on_failure=error) is a lost request.
-REFUSED = "Exceeds maximum queue size"
 
 
 async def python_phase(url, image, users, seconds, timeout_s, backoff_base_s):
@@ -111,7 +110,8 @@ async def python_phase(url, image, users, seconds, timeout_s, backoff_base_s):
                 attempt = 0
             except grpcclient.InferenceServerException as error:
                 elapsed = time.monotonic() - started
-                if str(error.status()) == "StatusCode.UNAVAILABLE" and REFUSED in str(error.message()):
+                if str(error.status()) == "StatusCode.UNAVAILABLE" and any(
+                        text in str(error.message()) for text in QUEUE_REFUSALS):
                     rejected.append(elapsed)
                     await asyncio.sleep(backoff_s(backoff_base_s, attempt))
                     attempt += 1
@@ -404,12 +404,12 @@ def run(stack, args):
     saturation = reference(users, args.phase_s)
     log(f"  {saturation['admitted_per_s']} answered/s, p99 {saturation['admitted_p99_ms']} ms")
     phases = []
-    before = None
+    # The first saturation is also the one before the first kind (measured the same way, after a
+    # longer warm-up); each later kind's is the one after the kind before it.
+    before = saturation if args.beside_s else None
     for round_ in range(1, args.rounds + 1):
         for factor in args.factors:
             for kind in args.kinds:
-                if args.beside_s and before is None:
-                    before = saturation_beside(stack, reference, users, args, f"before {kind}")
                 log(f"{kind} at {factor}x ({users * factor} users), round {round_} of {args.rounds}")
                 stack.settle(args)
                 seen = stack.proxy.tally()
@@ -418,7 +418,7 @@ def run(stack, args):
                 if "proxy" in kind:
                     figures["proxy_answers"] = stack.proxy.tally(since=seen)
                 # The saturation after this kind is also the one before the next: each kind is
-                # bracketed by two, and the run measures one saturation phase per kind, plus one.
+                # bracketed by two, and the run measures one saturation phase per kind.
                 after = saturation_beside(stack, reference, users, args, f"after {kind}") if args.beside_s else None
                 figures.update(shares(figures, saturation, before, after))
                 before = after
@@ -523,11 +523,11 @@ def judge(saturation, phases, args):
         need = KINDS[p["kind"]]["judged"]
         if p["lost"] and need is not None:  # resend-bare shows what happens without the proxy: not judged
             problems.append(f"{where}: {p['lost']} request(s) lost: {p['lost_sample']}")
-        # Each saturation is judged once: the one before a kind was the previous kind's after.
-        for side in ("before", "after") if p is phases[0] else ("after",):
-            beside = p.get(f"saturation_{side}", {})
-            if beside.get("lost"):
-                problems.append(f"saturation {side} {where}: {beside['lost']} request(s) lost: {beside['lost_sample']}")
+        # Each saturation is judged once: the one before a kind was the previous kind's after,
+        # the first kind's the first saturation (above).
+        after = p.get("saturation_after", {})
+        if after.get("lost"):
+            problems.append(f"saturation after {where}: {after['lost']} request(s) lost: {after['lost_sample']}")
         if p["kind"] in ("resend-proxy", "backoff-bare") and p["admitted"]:
             ratio = p["admitted_p99_ms"] / saturation["admitted_p99_ms"]
             if ratio > args.max_p99_ratio:

@@ -3,7 +3,7 @@
  * POST /v2/models/<model>/infer (binary tensor extension: IMAGE, and a PROMPT
  * that is new for every request, so the describe step's cache never answers).
  * A user waits for its answer; on a refusal (HTTP 503 whose body says
- * "Exceeds maximum queue size", Triton's queue policy, or "in-flight limit",
+ * "Exceeds maximum queue size" or "Request timeout expired", Triton's queue policy, or "in-flight limit",
  * the shedding proxy in deploy/nginx) it backs off as classify_describe's
  * clients do (exponential with full jitter, capped at 5 s; at least the
  * Retry-After, capped at 30 s) and sends again; with BACKOFF_MS 0 at once.
@@ -62,6 +62,7 @@
 #include <unistd.h>
 
 #define REFUSED "Exceeds maximum queue size"
+#define TIMED_OUT "Request timeout expired" /* the queue policy's time limit */
 #define SHED "in-flight limit" /* deploy/nginx/triton-shed.conf.template's refusal */
 #define FRONT_REFUSED "service_unavailable" /* openai_front's 503s */
 #define OPENAI_TAIL "\"}]}]}" /* after the prompt: closes the text part, content, message, messages, body */
@@ -307,7 +308,7 @@ static void finish(struct user *u, int status, int epoll_fd) {
         record("ok", seconds);
         u->attempt = 0;
         u->state = IDLE;
-    } else if (status == 503 && (strstr(u->buf, REFUSED) || strstr(u->buf, SHED) ||
+    } else if (status == 503 && (strstr(u->buf, REFUSED) || strstr(u->buf, TIMED_OUT) || strstr(u->buf, SHED) ||
                                  (openai_mode && strstr(u->buf, FRONT_REFUSED)))) {
         record("refused", seconds);
         u->state = SLEEPING;

@@ -24,7 +24,10 @@ def error(status, message="m"):
 
 
 @pytest.mark.parametrize("failure, retryable, answered, message", [
-    (error("StatusCode.UNAVAILABLE", "queue size exceeded"), True, True, "queue size exceeded"),
+    # Triton's queue policy: full, or waited past its time limit (the server answered both)
+    (error("StatusCode.UNAVAILABLE", "Exceeds maximum queue size"), True, True, "Exceeds maximum queue size"),
+    (error("StatusCode.UNAVAILABLE", "in ensemble 'classify', Request timeout expired"), True, True,
+     "in ensemble 'classify', Request timeout expired"),
     (error("StatusCode.UNAVAILABLE", "failed to connect"), True, False, "failed to connect"),
     (error("503", "stopping"), True, True, "stopping"),
     (error("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded"), True, False, "Deadline Exceeded"),

@@ -471,6 +471,7 @@ def test_the_tasks_own_cancellation_still_cancels_the_call():
     ("Request for unknown model: 'classify_and_describe_stream' has no available versions", 503, None),
     ("in ensemble 'classify_and_describe', [request id: 6192] Exceeds maximum queue size", 503, None),
     ("Server is stopping, scheduler for model has stopped accepting new inference requests", 503, None),
+    ("in ensemble 'classify_and_describe', Request timeout expired", 503, None),
     # refusals (INVALID_ARG), each naming the field at fault
     ("in ensemble 'classify', " + contract.tagged(contract.INVALID_INPUT, "IMAGE PNG data is corrupt or truncated: x",
                                                   "IMAGE"), 400, "messages"),

@@ -37,13 +37,15 @@ def test_with_one_saturation_beside_the_share_is_against_it_and_with_none_agains
 
 
 def test_a_loss_in_any_saturation_beside_fails_the_verdict_once():
-    # The saturation after the first kind is the one before the second: reported once.
-    shared = phase(40.0, lost=2)
-    first = kind(36.0, before=phase(40.0, lost=1), after=shared)
-    second = kind(36.0, name="backoff-bare", before=shared, after=phase(40.0))
-    problems = overload.judge(phase(50.0), [first, second], ARGS)
-    assert problems == ["saturation before client-grpc at 20x: 1 request(s) lost: []",
-                        "saturation after client-grpc at 20x: 2 request(s) lost: []"]
+    # The first saturation is the one before the first kind, the saturation after the first
+    # kind the one before the second: each reported once.
+    first_saturation, shared = phase(50.0, lost=1), phase(40.0, lost=2)
+    first = kind(36.0, before=first_saturation, after=shared)
+    second = kind(36.0, name="backoff-bare", before=shared, after=phase(40.0, lost=3))
+    problems = overload.judge(first_saturation, [first, second], ARGS)
+    assert problems == ["1 request(s) lost at saturation: []",
+                        "saturation after client-grpc at 20x: 2 request(s) lost: []",
+                        "saturation after backoff-bare at 20x: 3 request(s) lost: []"]
 
 
 def test_the_verdict_judges_the_median_share_over_the_rounds():
