@@ -159,6 +159,12 @@ class SecretScan:
     def names_in(self, text):
         return {name for name, secret in self.secrets.items() if secret in text}
 
+    def redacted(self, text):
+        """The text with each secret replaced by its name, for the report's own lines."""
+        for name, secret in self.secrets.items():
+            text = text.replace(secret, f"<{name}>")
+        return text
+
     def scan(self, where, text):
         self.scanned[where] = self.scanned.get(where, 0) + 1
         names = self.names_in(text)
@@ -858,9 +864,11 @@ def upstream_key_check(stats, llm_key):
 # How a stream open at the restart ends, by design: the front's error event
 # (openai_front/app.py SHUTTING_DOWN) on its own streams, and the streaming
 # model's UNAVAILABLE (triton_io.server_stopping) on streams opened on Triton
-# directly. The server shuts down only in the restart, but a stream sent in the
-# phase before may still be open then.
-SHUTDOWN_ENDINGS = ("the OpenAI front is shutting down", "the server is shutting down: retry on another replica")
+# directly; the describe step's "unloading" for a request that came as it began to
+# unload, or that its drain cut short (triton_io.unloading). The server shuts down
+# only in the restart, but a request sent in the phase before may still be open then.
+SHUTDOWN_ENDINGS = ("the OpenAI front is shutting down", "the server is shutting down: retry on another replica",
+                    "the model is unloading")
 
 
 def _met_stub_down(error):
@@ -877,8 +885,9 @@ def expected_failures(tally):
 
 
 def unexpected_errors(tally, most=3):
-    """The distinct texts of the first failures not by design, so a red run says what failed."""
-    texts = [f"{e['phase']}/{e['path']}: {e['error']}" for e in tally.errors
+    """The distinct texts of the first failures not by design, so a red run says what failed
+    (a leaked secret shows as its name: the leak is reported as such, not printed)."""
+    texts = [tally.scan.redacted(f"{e['phase']}/{e['path']}: {e['error']}") for e in tally.errors
              if not (_met_stub_down(e) or _ended_by_shutdown(e))]
     return list(dict.fromkeys(texts))[:most]
 

@@ -67,7 +67,9 @@ class StandInTriton(StandInHandler):
         assert len(prompt) == prompt_size and struct.unpack("<I", prompt[:4])[0] == prompt_size - 4
         self.prompts.append(prompt[4:].decode())
         refused = self.shed or len(self.prompts) % 2 == 0
-        message = "Exceeds the in-flight limit of the proxy (1)" if self.shed else overload.REFUSED
+        # Triton's queue policy refuses with two texts (full; waited past its time limit): both are refusals.
+        queue_refusal = overload.QUEUE_REFUSALS[len(self.prompts) // 2 % 2]
+        message = "Exceeds the in-flight limit of the proxy (1)" if self.shed else queue_refusal
         self.answer(503 if refused else 200, {"error": message} if refused else {"outputs": []},
                     [("Retry-After", "1")] if self.shed else ())
 
@@ -331,7 +333,7 @@ class FullStandIn(StandInTriton):
     def do_POST(self):  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers["Content-Length"]))
         self.prompts.append(self.path)
-        self.answer(503, {"error": overload.REFUSED})
+        self.answer(503, {"error": overload.QUEUE_REFUSALS[0]})
 
 
 @needs_cc

@@ -306,6 +306,7 @@ def test_a_path_of_the_mix_that_never_answers():
     ("stub_kill", "error event: the OpenAI front is shutting down", []),  # sent before, still open at the restart
     ("restart", "[code=model_unloading] the server is shutting down: retry on another replica", []),  # on Triton's gRPC
     ("restart", "error event: the server is shutting down: retry on another replica", []),  # through the front
+    ("restart", "HTTP 503: the model is unloading; retry later", []),  # sent as describe began to unload
     ("restart", "HTTP 503: the inference server is unavailable; retry later",
      ["1 valid request(s) failed other than on the killed stub or a stream the restart's shutdown ended: "
       "['restart/front_stream: TritonRequestError: HTTP 503: the inference server is unavailable; retry later']"]),
@@ -318,3 +319,13 @@ def test_a_stream_the_front_ended_at_its_shutdown(phase, error, problems):
     findings = soak.judge(observed(tally=tally))
     assert findings["problems"] == problems
     assert findings["valid_failed_front_shutdown"] == (not problems)
+
+
+def test_an_unexpected_error_is_named_in_the_verdict_with_its_secrets_redacted():
+    tally = new_tally()
+    tally.phase = "steady"
+    tally.answered(tally.sent(), 0, answer(0))
+    tally.failed(tally.sent(), TritonRequestError(f"HTTP 500: upstream said key {LLM_KEY} is wrong", answered=True))
+    [problem] = soak.judge(observed(tally=tally))["problems"][:1]
+    assert problem.startswith("1 valid request(s) failed other than") and "key <LLM key> is wrong" in problem
+    assert LLM_KEY not in problem

@@ -122,11 +122,16 @@ class FakeOpenAI:
         self.count = None
         self.hold_for = None
         self._held = asyncio.Event()
-        self.stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
+        self._stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
                       "authorizations": {}, "bodies": [], "arrivals": [], "by_mode": {},
                       "streams_started": 0, "streams_completed": 0, "streamed_answers": [], "flood_chunks": 0,
                       "images": [], "request_ids": [], "traceparents": []}
+
+    @property
+    def stats(self):
+        """What the fake saw, each photo sent decoded the first time the stats are read."""
+        return _inspected(self._stats)
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
                  chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None, hold_for=None):
@@ -170,7 +175,7 @@ class FakeOpenAI:
         return mode
 
     async def _chat(self, request):
-        stats = self.stats
+        stats = self._stats
         stats["requests"] += 1
         stats["in_flight"] += 1
         stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
@@ -236,8 +241,8 @@ class FakeOpenAI:
 
     def _content(self, body):
         """(number, content, usage) of the next answer."""
-        self.stats["answered_ok"] += 1
-        number = self.stats["answered_ok"]
+        self._stats["answered_ok"] += 1
+        number = self._stats["answered_ok"]
         model = body.get("model", "")
         messages = body.get("messages") or [{"content": ""}]
         user = _text_of(messages[-1].get("content", ""))
@@ -273,7 +278,7 @@ class FakeOpenAI:
     async def _stream(self, request, body, cut_after=None, huge=False):
         """Server-sent events, one chunk per word; `cut_after` chunks then a dropped connection;
         `huge`: the whole huge answer in one chunk."""
-        stats = self.stats
+        stats = self._stats
         number, content, usage = self._content(body)
         if huge:
             content = self._huge(content)
@@ -309,7 +314,7 @@ class FakeOpenAI:
         number, _, _ = self._content(body)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        self.stats["streams_started"] += 1
+        self._stats["streams_started"] += 1
         base = {"id": f"chatcmpl-fake-{number}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": body.get("model", "")}
         index = 0
@@ -318,7 +323,7 @@ class FakeOpenAI:
             await response.write(b"data: " + json.dumps(dict(base, choices=[{"index": 0, "delta": delta,
                                                                                 "finish_reason": None}])).encode()
                                  + b"\n\n")
-            self.stats["flood_chunks"] += 1
+            self._stats["flood_chunks"] += 1
             index += 1
             await asyncio.sleep(self.chunk_ms / 1000.0)  # 0: yield to the loop, so a disconnect is seen
 
@@ -336,7 +341,7 @@ class FakeOpenAI:
         return web.json_response(self._describe_mode())
 
     async def _admin_stats(self, request):
-        return web.json_response(dict(_inspected(self.stats), **self._describe_mode()))
+        return web.json_response(dict(self.stats, **self._describe_mode()))
 
     async def _admin_reset(self, request):
         self._reset()
@@ -484,7 +489,7 @@ class ThreadedFakeOpenAI:
 
     def stats(self):
         async def copy():
-            return json.loads(json.dumps(_inspected(self.fake.stats)))
+            return json.loads(json.dumps(self.fake.stats))
         return self._run(copy())
 
     def _run(self, coro):
