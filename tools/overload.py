@@ -25,7 +25,8 @@ minute); `answered_per_s_by_5s` shows the whole phase, cold start included.
 
 Per kind and factor: answered per second within the measured window and its share of
 saturation's (goodput: against the mean of the saturations measured again right before
-and right after the kind, `--beside-s` after `--beside-warmup-s` each, so that each share
+and right after the kind, `--beside-s` after `--beside-warmup-s` each (the first kind's
+before: the first saturation, `--phase-s` after `--warmup-s`), so that each share
 is a ratio side by side while the machine's speed drifts over the run;
 `share_of_first_saturation` against the first), answer latency, refusals, lost (any other error, or
 no answer within `--timeout-s`), and the load generator's CPU. The C users
@@ -81,8 +82,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 C_SOURCE = REPO / "tools/overload_client.c"
 
 ENSEMBLE = "classify_and_describe"
-# A queue policy's refusal; any other error (UNAVAILABLE included: a model
-# unloading, the LLM step failing with on_failure=error) is a lost request.
+# A queue policy's refusal (QUEUE_REFUSALS' texts) is retried; any other error
+# (UNAVAILABLE included: a model unloading, the LLM step failing with
+# on_failure=error) is a lost request.
 
 
 async def python_phase(url, image, users, seconds, timeout_s, backoff_base_s):

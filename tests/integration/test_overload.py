@@ -1,15 +1,16 @@
 """Admission control, short version of `make overload` (tools/overload.py;
 full figures in docs/reliability.md#overload): with more users than the
-front queue holds (128 waiting at preprocess), the excess is refused with
-UNAVAILABLE (`Exceeds maximum queue size`), which the users retry with back-off; nothing is lost and
-the server stays ready."""
+front queue holds (128 waiting for a core), the excess is refused with
+UNAVAILABLE (`Exceeds maximum queue size`, or `Request timeout expired` after
+2 s waiting), which the users retry with back-off; nothing is lost and the
+server stays ready."""
 
 import asyncio
 
 from tools.overload import python_phase
 
 SATURATION_USERS = 4
-OVERLOAD_USERS = 200  # beyond the 128 that preprocess queues plus its instances
+OVERLOAD_USERS = 200  # beyond the 128 that the first queue for a core holds plus its instances
 PHASE_S = 6
 
 

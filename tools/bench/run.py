@@ -120,15 +120,18 @@ def concurrency_to_cover(throughput, latency_ms, base, cap):
     return int(min(cap, 8 * math.ceil(needed / 8)))
 
 
-def queue_limit(repository):
-    """The smallest max_queue_size of the ensemble's steps: perf_analyzer starts all its requests
-    at once, and a burst larger than a step's queue is refused there by design (admission control)."""
+def queue_limit(repository, throughput=math.inf):
+    """The largest burst the ensemble's steps admit: perf_analyzer starts all its requests at
+    once, and admission control refuses past a step's max_queue_size, and past its time limit
+    (default_timeout_microseconds) what `throughput` per second cannot start within it."""
     limits = []
     ensemble = model_config.read(repository / "classify_and_describe" / "config.pbtxt")
     for step in (step.model_name for step in ensemble.ensemble_scheduling.step):
-        config = model_config.read(repository / step / "config.pbtxt")
-        if config.HasField("dynamic_batching") and config.dynamic_batching.default_queue_policy.max_queue_size:
-            limits.append(config.dynamic_batching.default_queue_policy.max_queue_size)
+        policy = model_config.read(repository / step / "config.pbtxt").dynamic_batching.default_queue_policy
+        if policy.max_queue_size:
+            limits.append(policy.max_queue_size)
+        if policy.default_timeout_microseconds and math.isfinite(throughput):
+            limits.append(math.floor(policy.default_timeout_microseconds / 1e6 * throughput))
     return min(limits, default=math.inf)
 
 
@@ -144,7 +147,7 @@ def measure_latency_hiding(ctx, p):
     """Figure 2: the ensemble with a slow LLM vs an instant one, same concurrency."""
     ctx.llm.set_latency(0)
     probe = ctx.pa("classify_and_describe", p["cover_base_c"])
-    cap = min(p["cover_max_c"], queue_limit(ctx.triton.repository))
+    cap = min(p["cover_max_c"], queue_limit(ctx.triton.repository, probe["throughput"]))
     latency_ms = latency_to_cover(probe["throughput"], p["cover_latency_ms"], p["cover_base_c"], cap)
     concurrency = concurrency_to_cover(probe["throughput"], latency_ms, p["cover_base_c"], cap)
     log(f"ensemble 0 ms at c={p['cover_base_c']}: {probe['throughput']:.1f}/s -> "
