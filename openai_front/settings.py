@@ -20,7 +20,7 @@ __main__). Every name is documented in the README's OpenAI section.
   OPENAI_FRONT_MAX_BODIES_IN_FLIGHT=16  request bodies read and decoded at
                                        once; more wait up to 2 s for a turn, then
                                        are refused (503, Retry-After)
-  OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=128  chat requests at once, each to its answer
+  OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=96  chat requests at once, each to its answer
                                        or its stream's end; more are refused (503,
                                        Retry-After growing with the overload)
                                        before their body is read
@@ -68,7 +68,10 @@ class Settings:
     image_url_allow_private: bool = False        # dangerous: for tests on loopback only
     max_bodies_in_flight: int = 16
     # Chat requests at once, whole; 128 = the queue Triton's preprocess holds (shedding.py).
-    max_requests_in_flight: int = 128
+    # What Triton starts within its queues' 2 s limit, plus those waiting on the LLM: about
+    # 45/s x (1 s + 2 s) here, less under load. A request the front passes on and Triton then
+    # refuses for waiting too long cost the front its whole body (docs/reliability.md#overload).
+    max_requests_in_flight: int = 96
     max_image_bytes: int = 20 * 1024 * 1024
     body_timeout_s: float = 10.0
     max_fetches_in_flight: int = 8
@@ -169,7 +172,7 @@ def from_environ(environ=None, **overrides):
         image_url_allowlist=_allowlist(environ),
         image_url_allow_private=_bool(environ, "OPENAI_FRONT_IMAGE_URL_ALLOW_PRIVATE", False),
         max_bodies_in_flight=_int(environ, "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT", 16, 1),
-        max_requests_in_flight=_int(environ, "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT", 128, 1),
+        max_requests_in_flight=_int(environ, "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT", Settings.max_requests_in_flight, 1),
         max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
         body_timeout_s=_float(environ, "OPENAI_FRONT_BODY_TIMEOUT_S", 10.0),
         max_fetches_in_flight=_int(environ, "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT", 8, 1),

@@ -866,7 +866,7 @@ def test_requests_past_the_limit_in_flight_are_refused_from_their_headers_before
 
 
 def test_the_requests_in_flight_setting():
-    assert settings.from_environ({}).max_requests_in_flight == 128
+    assert settings.from_environ({}).max_requests_in_flight == 96
     assert settings.from_environ({"OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT": "7"}).max_requests_in_flight == 7
     with pytest.raises(settings.ConfigError):
         settings.from_environ({"OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT": "0"})
