@@ -216,7 +216,8 @@ def upstream_failed(reason):
 
 
 def unloading():
-    return Reject(contract.tagged(contract.MODEL_UNLOADING, "the model is unloading; retry later"), pb_utils.TritonError.UNAVAILABLE)
+    return Reject(contract.tagged(contract.MODEL_UNLOADING, "the model is unloading; retry later"),
+                  pb_utils.TritonError.UNAVAILABLE)
 
 
 def server_stopping():
