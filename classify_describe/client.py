@@ -61,6 +61,11 @@ class Throttled(TritonRequestError):
 _UNAVAILABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503"}
 # Triton's queue policy refuses with these (full; waited past its timeout).
 QUEUE_REFUSALS = ("Exceeds maximum queue size", "Request timeout expired")
+
+
+def queue_refused(message):
+    """Whether an UNAVAILABLE's message is Triton's queue policy refusing (the server answered)."""
+    return any(text in (message or "") for text in QUEUE_REFUSALS)
 _TIMEOUT_STATUSES = {"StatusCode.DEADLINE_EXCEEDED"}  # gRPC's client_timeout
 
 
@@ -95,8 +100,7 @@ def _server_answered(error, module):
     # server's own UNAVAILABLE (a queue policy's refusal: full, or waited too long) says why.
     if not isinstance(error, module.InferenceServerException) or _timed_out(error, module):
         return False
-    message = error.message() or ""
-    return str(error.status()) != "StatusCode.UNAVAILABLE" or any(text in message for text in QUEUE_REFUSALS)
+    return str(error.status()) != "StatusCode.UNAVAILABLE" or queue_refused(error.message())
 
 
 def _resend(error, module):

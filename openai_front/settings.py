@@ -67,10 +67,10 @@ class Settings:
     image_url_allowlist: frozenset = frozenset()  # "host" (ports 80, 443) or "host:port"
     image_url_allow_private: bool = False        # dangerous: for tests on loopback only
     max_bodies_in_flight: int = 16
-    # Chat requests at once, whole; 128 = the queue Triton's preprocess holds (shedding.py).
-    # What Triton starts within its queues' 2 s limit, plus those waiting on the LLM: about
-    # 45/s x (1 s + 2 s) here, less under load. A request the front passes on and Triton then
-    # refuses for waiting too long cost the front its whole body (docs/reliability.md#overload).
+    # Chat requests at once, whole (shedding.py): what Triton starts within its queues' 2 s
+    # limit, plus those waiting on the LLM: about 45/s x (1 s + 2 s) here, less under load.
+    # A request the front passes on and Triton then refuses for waiting too long cost the
+    # front its whole body (docs/reliability.md#overload).
     max_requests_in_flight: int = 96
     max_image_bytes: int = 20 * 1024 * 1024
     body_timeout_s: float = 10.0

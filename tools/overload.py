@@ -73,7 +73,7 @@ import time
 import numpy as np
 
 from classify_describe import throttle  # and their adaptive throttle (backoff-bare)
-from classify_describe.client import QUEUE_REFUSALS, backoff_s  # the clients' own back-off and refusals
+from classify_describe.client import backoff_s, queue_refused  # the clients' own back-off and refusals
 from tools import host
 from tools.local_stack import FakeLLM, TritonServer
 from tools.nginx import ShedProxy
@@ -82,7 +82,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 C_SOURCE = REPO / "tools/overload_client.c"
 
 ENSEMBLE = "classify_and_describe"
-# A queue policy's refusal (QUEUE_REFUSALS' texts) is retried; any other error
+# A queue policy's refusal (classify_describe.client.queue_refused) is retried; any other error
 # (UNAVAILABLE included: a model unloading, the LLM step failing with
 # on_failure=error) is a lost request.
 
@@ -112,8 +112,7 @@ async def python_phase(url, image, users, seconds, timeout_s, backoff_base_s):
                 attempt = 0
             except grpcclient.InferenceServerException as error:
                 elapsed = time.monotonic() - started
-                if str(error.status()) == "StatusCode.UNAVAILABLE" and any(
-                        text in str(error.message()) for text in QUEUE_REFUSALS):
+                if str(error.status()) == "StatusCode.UNAVAILABLE" and queue_refused(error.message()):
                     rejected.append(elapsed)
                     await asyncio.sleep(backoff_s(backoff_base_s, attempt))
                     attempt += 1

@@ -12,6 +12,7 @@ import threading
 import pytest
 from stand_in_http import StandInHandler, serving_http
 
+from classify_describe.client import QUEUE_REFUSALS
 from tools import overload
 
 
@@ -68,7 +69,7 @@ class StandInTriton(StandInHandler):
         self.prompts.append(prompt[4:].decode())
         refused = self.shed or len(self.prompts) % 2 == 0
         # Triton's queue policy refuses with two texts (full; waited past its time limit): both are refusals.
-        queue_refusal = overload.QUEUE_REFUSALS[len(self.prompts) // 2 % 2]
+        queue_refusal = QUEUE_REFUSALS[len(self.prompts) // 2 % 2]
         message = "Exceeds the in-flight limit of the proxy (1)" if self.shed else queue_refusal
         self.answer(503 if refused else 200, {"error": message} if refused else {"outputs": []},
                     [("Retry-After", "1")] if self.shed else ())
@@ -333,7 +334,7 @@ class FullStandIn(StandInTriton):
     def do_POST(self):  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers["Content-Length"]))
         self.prompts.append(self.path)
-        self.answer(503, {"error": overload.QUEUE_REFUSALS[0]})
+        self.answer(503, {"error": QUEUE_REFUSALS[0]})
 
 
 @needs_cc
