@@ -51,7 +51,7 @@ def create_app(settings):
     app[BODIES] = InFlight(settings.max_bodies_in_flight, "request bodies", "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT")
     app[FETCHES] = InFlight(settings.max_fetches_in_flight, "image URLs", "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT")
     app[STREAMS] = set()
-    app[METRICS] = Metrics(m.id for m in settings.models)
+    app[METRICS] = Metrics((m.id for m in settings.models), admission_limit=lambda: int(admission.limit.value))
     # 100 Continue only once the body is wanted (expect_continue.py): a refusal costs no body.
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue.handler)
     app.router.add_get("/v1/models", list_models)

@@ -7,8 +7,10 @@ import json
 class FrontError(Exception):
     """One request's failure, answered to that request alone."""
 
-    def __init__(self, status, message, *, type="invalid_request_error", param=None, code=None, retry_after_s=None):
+    def __init__(self, status, message, *, type="invalid_request_error", param=None, code=None, retry_after_s=None,
+                 overload=False):
         super().__init__(message)
+        self.overload = overload  # a refusal for load (a queue full or timed out): the front passes on fewer
         self.status = status
         self.message = message
         self.type = type
@@ -34,5 +36,6 @@ def too_large(message, param=None):
     return FrontError(413, message, param=param, code="image_too_large")
 
 
-def unavailable(message, retry_after_s=1):
-    return FrontError(503, message, type="service_unavailable", code="service_unavailable", retry_after_s=retry_after_s)
+def unavailable(message, retry_after_s=1, overload=False):
+    return FrontError(503, message, type="service_unavailable", code="service_unavailable", retry_after_s=retry_after_s,
+                      overload=overload)

@@ -6,8 +6,9 @@ few and no key or prompt can reach them.
 
 The names and labels are a contract (dashboards and alerts use them):
 openai_front_requests_total, openai_front_errors_total,
-openai_front_tokens_total, openai_front_in_flight and the
-openai_front_request_duration_seconds histogram."""
+openai_front_tokens_total, openai_front_in_flight,
+openai_front_admission_limit and the openai_front_request_duration_seconds
+histogram."""
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,7 +24,7 @@ prometheus_client.disable_created_metrics()
 class Metrics:
     """One registry per app (tests build several in one process)."""
 
-    def __init__(self, model_ids):
+    def __init__(self, model_ids, admission_limit=lambda: 0):
         self._model_ids = set(model_ids)
         self.registry = CollectorRegistry()
         prometheus_client.ProcessCollector(registry=self.registry)
@@ -39,6 +40,9 @@ class Metrics:
         self.in_flight = 0
         Gauge("openai_front_in_flight", "Chat-completion requests being answered now.",
               registry=self.registry).set_function(lambda: self.in_flight)
+        Gauge("openai_front_admission_limit", "Chat-completion requests the front passes on at once now, learnt "
+              "from Triton's refusals (at most OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT).",
+              registry=self.registry).set_function(admission_limit)
         self.latency = Histogram("openai_front_request_duration_seconds", "Time from the request to the last "
                                  "byte of its answer.", ["model", "stream"], buckets=BUCKETS_S,
                                  registry=self.registry)

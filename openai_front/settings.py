@@ -20,10 +20,12 @@ __main__). Every name is documented in the README's OpenAI section.
   OPENAI_FRONT_MAX_BODIES_IN_FLIGHT=16  request bodies read and decoded at
                                        once; more wait up to 2 s for a turn, then
                                        are refused (503, Retry-After)
-  OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=96  chat requests at once, each to its answer
-                                       or its stream's end; more are refused (503,
-                                       Retry-After growing with the overload)
-                                       before their body is read
+  OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=1024  the most chat requests at once, each to
+                                       its answer or its stream's end; below it the
+                                       front passes on as many as Triton takes (it
+                                       cuts on Triton's queue refusals); more are
+                                       refused (503, Retry-After growing with the
+                                       overload) before their body is read
   OPENAI_FRONT_BODY_TIMEOUT_S=10      a request body must arrive within this
                                        (408 and the connection closed after it), so
                                        slow or stalled senders cannot hold the body slots
@@ -67,11 +69,10 @@ class Settings:
     image_url_allowlist: frozenset = frozenset()  # "host" (ports 80, 443) or "host:port"
     image_url_allow_private: bool = False        # dangerous: for tests on loopback only
     max_bodies_in_flight: int = 16
-    # Chat requests at once, whole (shedding.py): what Triton starts within its queues' 2 s
-    # limit, plus those waiting on the LLM: about 45/s x (1 s + 2 s) here, less under load.
-    # A request the front passes on and Triton then refuses for waiting too long cost the
-    # front its whole body (docs/reliability.md#overload).
-    max_requests_in_flight: int = 96
+    # The most chat requests at once, whole (shedding.py). Below it the front learns how
+    # many Triton takes from its refusals: about 45/s x 1 s of LLM here, thousands on a GPU
+    # with a slow LLM. Each holds its image until answered (docs/reliability.md#overload).
+    max_requests_in_flight: int = 1024
     max_image_bytes: int = 20 * 1024 * 1024
     body_timeout_s: float = 10.0
     max_fetches_in_flight: int = 8

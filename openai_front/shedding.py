@@ -7,6 +7,11 @@ the front a read, a JSON parse and a base64 decode. Here a chat request past
 a stream to its end) is refused from its headers alone with 503 and
 Retry-After; aiohttp then discards its body unparsed. docs/reliability.md#overload.
 
+How many to pass on is learnt from Triton's answers (AdaptiveLimit), under
+that setting as a ceiling: what keeps Triton busy depends on the LLM's
+latency and on the host (about 45 answers/s x 1 s of LLM here, thousands on
+a GPU), so no fixed number suits every deployment.
+
 The Retry-After grows with the overload. A fixed one second would bring every
 refused client back every second: at 20x the capacity, 20 refusals for each
 answer, and the refusals (and the clients making them) eat the capacity they
@@ -46,7 +51,7 @@ import time
 from aiohttp import web
 
 from . import expect_continue
-from .errors import unavailable
+from .errors import FrontError, unavailable
 
 # Only these carry a costly body and hold Triton; probes, /v1/models and
 # /metrics are never shed.
@@ -95,30 +100,102 @@ class RetryAfter:
         return seconds
 
 
-class Admission:
-    """At most `limit` chat requests at once; the next one is refused at once."""
+class AdaptiveLimit:
+    """How many chat requests the front passes on at once, learnt from what
+    Triton answers, as TCP learns its congestion window: a refusal for load
+    (Triton's queue full or timed out, the describe step's LLM queue full)
+    says the queue holds more than its 2 s; answers say the requests got
+    through.
 
-    def __init__(self, limit, retry_after=None):
-        self.limit, self.now = limit, 0
+    - Ramp (at the start, and again after PROBE_AFTER_S without a refusal):
+      each answer while at least half the limit is in use adds one, so the
+      limit doubles every round trip, up to the first refusal.
+    - A refusal cuts the answers of QUEUE_CUT_S (answers/s over the last
+      WINDOW_S x QUEUE_CUT_S) off the limit: the queue then holds about
+      QUEUE_CUT_S less than the 2 s that refused, whatever the LLM's latency
+      (a cut by a fraction would starve a slow LLM and hardly help behind a
+      fast one). Requests passed on before the cut are old news: a burst of
+      refusals cuts once, not once each (TCP's one cut per window).
+    - Then each answer adds CREEP_PER_ANSWER: the front passes on 5 % more
+      than is answered, so the queue grows back to Triton's limit in about
+      20 s and the next cut comes; a refusal every 20 s or so (0.6 % of the
+      answers again in bodies refused, in the test's model of the server).
+
+    Why refusals, not latency: a request's time is mostly the LLM's, which
+    varies with the answer's length, so a latency target would mistake a
+    long answer for a queue. What it costs: about once per probe the queue
+    reaches Triton's limit and some requests are refused after the front read
+    their body (a read and parses; no forward pass)."""
+
+    QUEUE_CUT_S = 1.0
+    CREEP_PER_ANSWER = 0.05
+    PROBE_AFTER_S = 30.0
+
+    def __init__(self, ceiling, start=64, floor=8, clock=time.monotonic):
+        self.ceiling, self.floor = ceiling, min(floor, ceiling)
+        self.value = float(min(start, ceiling))
+        self.clock = clock
+        self.cuts = 0  # the requests passed on since the last cut carry this number
+        self.ramping, self.last_cut = True, clock()
+        self.answers = collections.deque()  # times of the answers in the last WINDOW_S
+
+    def allows(self, in_flight):
+        return in_flight < int(self.value)
+
+    def answered(self, in_flight):
+        """An answer came back while `in_flight` requests were passed on."""
+        now = self.clock()
+        self.answers.append(now)
+        while self.answers[0] < now - WINDOW_S:
+            self.answers.popleft()
+        if 2 * in_flight < self.value:
+            return  # the limit was not what held the requests back: no news about it
+        if not self.ramping and now - self.last_cut > self.PROBE_AFTER_S:
+            self.ramping = True  # the LLM or the host may have changed: find the edge again
+        self.value = min(self.value + (1 if self.ramping else self.CREEP_PER_ANSWER), self.ceiling)
+
+    def refused(self, passed_at_cut):
+        """Triton refused for load a request passed on when self.cuts was `passed_at_cut`."""
+        if passed_at_cut != self.cuts:
+            return
+        now = self.clock()
+        answers_per_s = sum(1 for t in self.answers if t >= now - WINDOW_S) / WINDOW_S
+        self.value = max(self.value - max(1.0, answers_per_s * self.QUEUE_CUT_S), self.floor)
+        self.cuts += 1
+        self.ramping, self.last_cut = False, now
+
+
+class Admission:
+    """At most `limit.value` chat requests at once; the next one is refused at once."""
+
+    def __init__(self, ceiling, retry_after=None, limit=None):
+        self.now = 0
+        self.limit = limit or AdaptiveLimit(ceiling)
         self.retry_after = retry_after or RetryAfter()
 
     @web.middleware
     async def middleware(self, request, handler):
         if request.path not in SHED_PATHS:
             return await handler(request)
-        if self.now >= self.limit:
-            raise unavailable(f"the front holds {self.now} requests already "
-                              "(OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT); retry after Retry-After seconds",
+        if not self.limit.allows(self.now):
+            raise unavailable(f"the front holds {self.now} requests already, as many as Triton takes now "
+                              "(at most OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT); retry after Retry-After seconds",
                               retry_after_s=self.retry_after.refuse())
+        passed_at_cut = self.limit.cuts
         self.now += 1
         try:
             response = await handler(request)
+        except FrontError as error:
+            if error.overload:
+                self.limit.refused(passed_at_cut)
+            raise
         finally:
-            self.now -= 1
+            in_flight, self.now = self.now, self.now - 1
         # Only answers measure the pace at which slots free for the waiting; a request
         # refused inside (bodies in flight, Triton's queue) or failed is not one.
         if response.status < 500:
             self.retry_after.finish()
+            self.limit.answered(in_flight)
         return response
 
 

@@ -137,8 +137,10 @@ def front_error(error):
         return _coded_error(coded)
     if text.startswith(UNKNOWN_MODEL) or NO_VERSIONS in text:
         return unavailable("the model is not loaded on the inference server (loading or unloading); retry later")
-    if QUEUE_FULL in text or QUEUE_TIMEOUT in text or text.startswith(SERVER_STOPPING):
-        return unavailable(f"the server is overloaded or restarting ({text}); retry later")
+    if QUEUE_FULL in text or QUEUE_TIMEOUT in text:
+        return unavailable(f"the server is overloaded ({text}); retry later", overload=True)
+    if text.startswith(SERVER_STOPPING):
+        return unavailable(f"the server is restarting ({text}); retry later")
     if "INVALID_ARGUMENT" in status:
         return invalid(message)
     if "DEADLINE_EXCEEDED" in status:
@@ -156,7 +158,7 @@ def _coded_error(coded):
         return FrontError(503, f"{coded.text}; retry later", type="service_unavailable", code="upstream_unavailable",
                           retry_after_s=1)
     if coded.code == contract.OVERLOADED:
-        return unavailable(f"{coded.text}; retry later")
+        return unavailable(f"{coded.text}; retry later", overload=True)
     if coded.code == contract.MODEL_UNLOADING:
         # Its text says which (the model unloading, or the server shutting down:
         # go to another replica) and what to do; the client needs both.

@@ -292,7 +292,8 @@ def test_the_exposed_names_are_the_ones_dashboards_use_and_no_more_of_ours():
     metrics.error(503, "overloaded")
     ours = {name for name, _ in samples(metrics.render()) if name.startswith("openai_front_")}
     assert ours == {"openai_front_requests_total", "openai_front_errors_total", "openai_front_tokens_total",
-                    "openai_front_in_flight", "openai_front_request_duration_seconds_bucket",
+                    "openai_front_in_flight", "openai_front_admission_limit",
+                    "openai_front_request_duration_seconds_bucket",
                     "openai_front_request_duration_seconds_sum", "openai_front_request_duration_seconds_count"}
     families = {f.name: f.type for f in text_string_to_metric_families(metrics.render())}
     assert families["openai_front_requests"] == "counter" and families["openai_front_in_flight"] == "gauge"
@@ -866,7 +867,7 @@ def test_requests_past_the_limit_in_flight_are_refused_from_their_headers_before
 
 
 def test_the_requests_in_flight_setting():
-    assert settings.from_environ({}).max_requests_in_flight == 96
+    assert settings.from_environ({}).max_requests_in_flight == 1024
     assert settings.from_environ({"OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT": "7"}).max_requests_in_flight == 7
     with pytest.raises(settings.ConfigError):
         settings.from_environ({"OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT": "0"})

@@ -1,0 +1,221 @@
+"""How many requests the front passes on to Triton (openai_front/shedding.py,
+AdaptiveLimit): learnt from Triton's refusals, so that it keeps Triton busy
+whatever the LLM's latency, where a fixed number suits one latency only.
+
+A simulation in fake time (no clock, no sockets) of a flood of clients, the
+front, and a model of the server: two executors behind a queue that refuses
+past 128 waiting and after 2 s (as model_repository's configs do), then the
+LLM's latency. Then the front itself, with Triton's own refusal texts."""
+
+import asyncio
+import collections
+import heapq
+import json
+import random
+
+import pytest
+from aiohttp.test_utils import TestServer
+from test_openai_front import StalledPool, body, front_with
+from tritonclient.utils import InferenceServerException
+
+from backends.openai_describe import error_contract as contract
+from openai_front import app as front_app
+from openai_front.shedding import AdaptiveLimit
+from openai_front.triton import front_error
+
+EXECUTORS, EXECUTION_S = 2, 0.044  # 45 answers/s: the 2-core host's saturation
+QUEUE_MAX, QUEUE_TIMEOUT_S = 128, 2.0
+CAPACITY = EXECUTORS / EXECUTION_S
+
+
+class FixedLimit(AdaptiveLimit):
+    """The front before: one number for every LLM and host."""
+
+    def answered(self, in_flight):
+        pass
+
+    def refused(self, passed_at_cut):
+        pass
+
+
+def simulate(limit, llm_s, clients=2000, seconds=120.0, resend_s=(0.05, 0.5)):
+    """Clients that resend a refused request after a short random wait, each its
+    next request at once after its answer. Returns, over the second half:
+    answers/s, and Triton's refusals per answer (bodies the front read for nothing)."""
+    rng, clock = random.Random(1), [0.0]
+    limit.clock = lambda: clock[0]
+    events = [(rng.uniform(0, 1), "attempt") for _ in range(clients)]
+    heapq.heapify(events)
+    queue, busy, in_flight = collections.deque(), 0, 0
+    answers, refused_inside, half = 0, 0, seconds / 2
+
+    def push(at, kind):
+        heapq.heappush(events, (at, kind))
+
+    def start_next(now):
+        nonlocal busy, refused_inside, in_flight
+        while queue and busy < EXECUTORS:
+            enqueued, passed_at_cut = queue.popleft()
+            if now - enqueued > QUEUE_TIMEOUT_S:  # Triton: "Request timeout expired"
+                limit.refused(passed_at_cut)
+                in_flight -= 1
+                refused_inside += now > half
+                push(now + rng.uniform(*resend_s), "attempt")
+                continue
+            busy += 1
+            push(now + EXECUTION_S, "executed")
+
+    while events:
+        now, kind = heapq.heappop(events)
+        if now > seconds:
+            break
+        clock[0] = now
+        if kind == "attempt":
+            if not limit.allows(in_flight):
+                push(now + rng.uniform(*resend_s), "attempt")  # the front's refusal, from the headers
+            elif len(queue) >= QUEUE_MAX:  # Triton: "Exceeds maximum queue size"
+                limit.refused(limit.cuts)
+                refused_inside += now > half
+                push(now + rng.uniform(*resend_s), "attempt")
+            else:
+                in_flight += 1
+                queue.append((now, limit.cuts))
+                start_next(now)
+        elif kind == "executed":
+            busy -= 1
+            push(now + llm_s, "answered")
+            start_next(now)
+        else:
+            limit.answered(in_flight)
+            in_flight -= 1
+            answers += now > half
+            push(now, "attempt")
+    return answers / half, refused_inside / max(answers, 1)
+
+
+@pytest.mark.parametrize("llm_s, seconds", [(0.2, 120), (1.0, 120), (5.0, 120), (10.0, 240)])
+def test_the_front_keeps_the_server_busy_whatever_the_llms_latency(llm_s, seconds):
+    answered, wasted = simulate(AdaptiveLimit(ceiling=1024), llm_s, seconds=seconds)
+    assert answered >= 0.97 * CAPACITY, f"{answered:.1f}/s of {CAPACITY:.1f}: the front passed on too few"
+    assert wasted <= 0.01, f"{wasted:.3f} of the answers again in bodies Triton refused"
+
+
+@pytest.mark.parametrize("llm_s", [5.0, 10.0])
+def test_the_fixed_limit_it_replaces_starves_the_server_behind_a_slow_llm(llm_s):
+    """The baseline (and what the test above would catch): 96 at once is 96 / latency answers/s."""
+    answered, wasted = simulate(FixedLimit(ceiling=96, start=96), llm_s)
+    assert answered <= 96 / llm_s * 1.05 < 0.5 * CAPACITY and wasted == 0
+
+
+def test_refusals_that_cut_by_a_fraction_would_cost_a_tenth_of_the_answers():
+    """Why the cut is the answers of QUEUE_CUT_S and the creep slow: a tenth off
+    at each refusal and one more per answer (Netflix's AIMD defaults) holds the
+    queue at Triton's limit, where it refuses bodies the front already read."""
+    class Fraction(AdaptiveLimit):
+        def answered(self, in_flight):
+            if 2 * in_flight >= self.value:
+                self.value = min(self.value + 1, self.ceiling)
+
+        def refused(self, passed_at_cut):
+            if passed_at_cut == self.cuts:
+                self.value, self.cuts = max(self.value * 0.9, self.floor), self.cuts + 1
+
+    _, wasted = simulate(Fraction(ceiling=1024), 1.0)
+    assert wasted > 0.2
+
+
+def test_the_limit_stays_under_its_ceiling():
+    limit = AdaptiveLimit(ceiling=200)
+    simulate(limit, llm_s=10.0, seconds=60.0)
+    assert limit.value == 200  # 45/s x 10 s would want 450
+
+
+def answers(limit, per_s, seconds, clock):
+    for _ in range(int(per_s * seconds)):
+        clock[0] += 1 / per_s
+        limit.answered(in_flight=0)  # under half in use: no change to the limit, only the pace
+
+
+def test_a_refusal_cuts_a_second_of_answers_and_a_burst_cuts_once():
+    clock = [0.0]
+    limit = AdaptiveLimit(ceiling=1024, start=100, clock=lambda: clock[0])
+    answers(limit, per_s=20, seconds=10, clock=clock)
+    passed = limit.cuts
+    for _ in range(50):  # all passed on before the first cut: the cut answered them all
+        limit.refused(passed)
+    assert limit.value == pytest.approx(80)
+    limit.refused(limit.cuts)  # one passed on after it: news
+    assert limit.value == pytest.approx(60)
+
+
+def test_it_ramps_until_a_refusal_then_creeps_then_ramps_again_after_a_quiet_while():
+    clock = [0.0]
+    limit = AdaptiveLimit(ceiling=1024, start=100, clock=lambda: clock[0])
+    limit.answered(in_flight=49)
+    assert limit.value == 100  # under half in use: no evidence that more would be taken
+    limit.answered(in_flight=50)
+    assert limit.value == 101
+    limit.refused(limit.cuts)
+    limit.answered(in_flight=100)
+    assert limit.value == pytest.approx(100 + AdaptiveLimit.CREEP_PER_ANSWER)
+    clock[0] += AdaptiveLimit.PROBE_AFTER_S + 1
+    limit.answered(in_flight=100)
+    assert limit.value == pytest.approx(101 + AdaptiveLimit.CREEP_PER_ANSWER)
+
+
+def test_the_floor_and_a_ceiling_under_it():
+    limit = AdaptiveLimit(ceiling=1024, start=10, floor=8)
+    for _ in range(20):
+        limit.refused(limit.cuts)
+    assert limit.value == 8 and limit.allows(7) and not limit.allows(8)
+    small = AdaptiveLimit(ceiling=1)  # OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=1: exactly one, always
+    small.refused(small.cuts)
+    assert small.allows(0) and not small.allows(1)
+
+
+@pytest.mark.parametrize("message, overload", [
+    ("in ensemble 'classify_and_describe', [request id: 6192] Exceeds maximum queue size", True),
+    ("in ensemble 'classify_and_describe', Request timeout expired", True),
+    (contract.tagged(contract.OVERLOADED, "the describe step's LLM queue is full"), True),
+    # not for load: fewer requests passed on would not help
+    ("Server is stopping, scheduler for model has stopped accepting new inference requests", False),
+    (contract.tagged(contract.MODEL_UNLOADING, "the model is unloading"), False),
+    (contract.tagged(contract.UPSTREAM_UNAVAILABLE, "the LLM upstream could not answer (timeout)"), False),
+    ("Request for unknown model: 'classify_and_describe' is not found", False),
+    (contract.tagged(contract.INVALID_INPUT, "IMAGE format GIF is not supported (use one of JPEG, PNG)", "IMAGE"),
+     False),
+])
+def test_only_refusals_for_load_count(message, overload):
+    assert front_error(InferenceServerException(message)).overload is overload
+
+
+class RefusingPool(StalledPool):
+    """Answers every request with one of Triton's refusals, or with an answer once `answer` is set."""
+
+    def __init__(self, message):
+        super().__init__()
+        self.message, self.answer = message, None
+
+    async def infer(self, *args, **kwargs):
+        if self.answer is not None:
+            return self.answer
+        raise front_error(InferenceServerException(self.message))
+
+
+@pytest.mark.parametrize("message, cut", [("in ensemble 'classify_and_describe', Request timeout expired", True),
+                                          ("Server is stopping, scheduler for model has stopped accepting", False)])
+def test_the_front_cuts_on_tritons_refusals_for_load(message, cut):
+    pool = RefusingPool(message)
+    app = front_with(pool, max_requests_in_flight=100)
+
+    async def main():
+        async with TestServer(app, host="127.0.0.1") as server:
+            import aiohttp
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                                        data=json.dumps(body())) as answer:
+                    return answer.status, app[front_app.ADMISSION].limit
+
+    status, limit = asyncio.run(main())
+    assert status == 503
+    assert (limit.value, limit.cuts) == ((63, 1) if cut else (64, 0))
