@@ -608,15 +608,16 @@ def test_the_gpu_config_names_the_tensors_of_its_onnx_file():
 def test_cpu_slots_of_the_rate_limiter_match_the_cpu_request():
     """On CPU, decodes and forward passes share the pod's CPUs through Triton's
     rate limiter (docs/reliability.md#overload): the "cpu" count given to the
-    server must be the CPU the pod gets. On GPU the classifier needs no CPU
-    slot, so the GPU overlay leaves the rate limiter off."""
+    server must be one more than the CPU the pod gets, as classify_with_view's
+    instances (serve.sh: nproc + 1). On GPU the classifier needs no CPU slot,
+    so the GPU overlay leaves the rate limiter off."""
     cpu = server_container(render(DEPLOY / "overlays" / "cpu"))
     assert flag(cpu["args"], "rate-limit") == "execution_count"
-    assert flag(cpu["args"], "rate-limit-resource") == f"cpu:{int(cpu['resources']['requests']['cpu'])}"
+    assert flag(cpu["args"], "rate-limit-resource") == f"cpu:{int(cpu['resources']['requests']['cpu']) + 1}"
     gpu = server_container(render(DEPLOY / "overlays" / "gpu"))
     assert not any(a.startswith("--rate-limit") for a in gpu["args"])
     runtime = by_kind(load_docs(DEPLOY / "kserve/servingruntime.yaml"), "ServingRuntime")["spec"]["containers"][0]
-    assert flag(runtime["args"], "rate-limit-resource") == f"cpu:{int(runtime['resources']['requests']['cpu'])}"
+    assert flag(runtime["args"], "rate-limit-resource") == f"cpu:{int(runtime['resources']['requests']['cpu']) + 1}"
 
 
 # -- inference key and NetworkPolicy ---------------------------------------------
