@@ -110,11 +110,11 @@ class AdaptiveLimit:
     - Ramp (at the start, and again after PROBE_AFTER_S without a refusal):
       each answer while at least half the limit is in use adds one, so the
       limit doubles every round trip, up to the first refusal.
-    - A refusal cuts the answers of QUEUE_CUT_S (answers/s over the last
-      WINDOW_S x QUEUE_CUT_S) off the limit: the queue then holds about
-      QUEUE_CUT_S less than the 2 s that refused, whatever the LLM's latency
-      (a cut by a fraction would starve a slow LLM and hardly help behind a
-      fast one). Requests passed on before the cut are old news: a burst of
+    - A refusal takes QUEUE_CUT_S worth of answers off the limit (the
+      answers/s of the last WINDOW_S, times QUEUE_CUT_S): the queue then
+      holds about QUEUE_CUT_S less than the 2 s that refused, whatever the
+      LLM's latency (a cut by a fraction would starve a slow LLM and hardly
+      help behind a fast one). Requests passed on before the cut are old news: a burst of
       refusals cuts once, not once each (TCP's one cut per window).
     - Then each answer adds CREEP_PER_ANSWER: the front passes on 5 % more
       than is answered, so the queue grows back to Triton's limit in about
@@ -123,9 +123,11 @@ class AdaptiveLimit:
 
     Why refusals, not latency: a request's time is mostly the LLM's, which
     varies with the answer's length, so a latency target would mistake a
-    long answer for a queue. What it costs: about once per probe the queue
+    long answer for a queue. What it costs: about every 20 s the queue
     reaches Triton's limit and some requests are refused after the front read
-    their body (a read and parses; no forward pass)."""
+    their body (a read and parses; no forward pass). Only successful answers
+    count: a flood of bad requests, answered 4xx at once, says nothing of
+    what Triton takes."""
 
     QUEUE_CUT_S = 1.0
     CREEP_PER_ANSWER = 0.05
@@ -195,6 +197,7 @@ class Admission:
         # refused inside (bodies in flight, Triton's queue) or failed is not one.
         if response.status < 500:
             self.retry_after.finish()
+        if 200 <= response.status < 300:
             self.limit.answered(in_flight)
         return response
 

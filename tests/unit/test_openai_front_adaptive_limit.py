@@ -13,6 +13,7 @@ import heapq
 import json
 import random
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from test_openai_front import StalledPool, body, front_with
@@ -21,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from backends.openai_describe import error_contract as contract
 from openai_front import app as front_app
 from openai_front.shedding import AdaptiveLimit
-from openai_front.triton import front_error
+from openai_front.triton import Answer, front_error
 
 EXECUTORS, EXECUTION_S = 2, 0.044  # 45 answers/s: the 2-core host's saturation
 QUEUE_MAX, QUEUE_TIMEOUT_S = 128, 2.0
@@ -209,13 +210,44 @@ def test_the_front_cuts_on_tritons_refusals_for_load(message, cut):
     app = front_with(pool, max_requests_in_flight=100)
 
     async def main():
-        async with TestServer(app, host="127.0.0.1") as server:
-            import aiohttp
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
-                                        data=json.dumps(body())) as answer:
-                    return answer.status, app[front_app.ADMISSION].limit
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                                    data=json.dumps(body())) as answer:
+                return answer.status, app[front_app.ADMISSION].limit
 
     status, limit = asyncio.run(main())
     assert status == 503
     assert (limit.value, limit.cuts) == ((63, 1) if cut else (64, 0))
+
+
+class RecordingLimit(AdaptiveLimit):
+    def __init__(self):
+        super().__init__(ceiling=1024)
+        self.seen = []
+
+    def answered(self, in_flight):
+        self.seen.append(("answered", in_flight))
+
+    def refused(self, passed_at_cut):
+        self.seen.append(("refused", passed_at_cut))
+
+
+def test_only_successful_answers_and_refusals_for_load_reach_the_limit():
+    """A 4xx answered at once (a flood of bad requests) says nothing of what Triton takes."""
+    pool = RefusingPool("in ensemble 'classify_and_describe', Request timeout expired")
+    pool.answer = Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}, description="A cup")
+    app = front_with(pool, max_requests_in_flight=100)
+    limit = RecordingLimit()
+
+    async def main():
+        app[front_app.ADMISSION].limit = limit
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+            statuses = []
+            for data in (json.dumps(body()), "{not json", json.dumps({**body(), "model": "no-such-model"})):
+                async with session.post(url, data=data) as answer:
+                    statuses.append(answer.status)
+            return statuses
+
+    assert asyncio.run(main()) == [200, 400, 404]
+    assert limit.seen == [("answered", 1)]
