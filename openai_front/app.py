@@ -14,7 +14,7 @@ from aiohttp import web
 from . import access_log, chat, expect_continue, fetch, request_id, responses, trace_context
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
-from .shedding import Admission, discard_refused_bodies
+from .shedding import Admission, ImageBytes, discard_refused_bodies
 from .triton import TritonPool, request_parameters
 
 log = logging.getLogger("openai_front")
@@ -22,6 +22,7 @@ OPEN_PATHS = frozenset({"/health", "/health/ready", "/metrics"})  # no key neede
 SETTINGS, POOL, METRICS, FETCHER, BODIES, FETCHES, STREAMS = (
     web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher", "bodies", "fetches", "streams"))
 ADMISSION = web.AppKey("admission", Admission)
+IMAGES = web.AppKey("images", ImageBytes)
 # Bodies larger than this are parsed and decoded in a worker thread: a 20 MB
 # image takes tens of ms, during which the loop would stall every open stream.
 OFFLOAD_BYTES = 256 * 1024
@@ -50,6 +51,7 @@ def create_app(settings):
     app[SETTINGS] = settings
     app[BODIES] = InFlight(settings.max_bodies_in_flight, "request bodies", "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT")
     app[FETCHES] = InFlight(settings.max_fetches_in_flight, "image URLs", "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT")
+    app[IMAGES] = ImageBytes(settings.max_image_bytes_in_flight)
     app[STREAMS] = set()
     app[METRICS] = Metrics((m.id for m in settings.models), admission_limit=lambda: int(admission.limit.value))
     # 100 Continue only once the body is wanted (expect_continue.py): a refusal costs no body.
@@ -252,18 +254,21 @@ async def chat_completions(request):
         if image is None:
             async with app[FETCHES].slot():
                 image = await fetch.fetch_image(app[FETCHER], parsed.image_url, settings.max_image_bytes)
-        if parsed.stream:
-            app[STREAMS].add(asyncio.current_task())
-            try:
-                response, usage, status = await _stream(request, model, parsed, image)
-            finally:
-                app[STREAMS].discard(asyncio.current_task())
-            return response
-        answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed),
-                                       request_id=request_id.of(request),
-                                       metadata=trace_context.grpc_metadata(request.headers))
-        usage, status = answer.usage, 200
-        return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
+        with app[IMAGES].hold(len(image)), app[ADMISSION].passing_on() as outcome:
+            if parsed.stream:
+                app[STREAMS].add(asyncio.current_task())
+                try:
+                    response, usage, status = await _stream(request, model, parsed, image)
+                finally:
+                    app[STREAMS].discard(asyncio.current_task())
+                outcome.status = status
+                return response
+            answer = await app[POOL].infer(model.ensemble, image, parsed.prompt, request_parameters(parsed),
+                                           request_id=request_id.of(request),
+                                           metadata=trace_context.grpc_metadata(request.headers))
+            usage, status = answer.usage, 200
+            outcome.status = status
+            return web.json_response(responses.completion(responses.completion_id(), model.id, answer))
     except FrontError as error:
         status = error.status
         if status >= 500:

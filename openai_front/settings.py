@@ -26,6 +26,10 @@ __main__). Every name is documented in the README's OpenAI section.
                                        cuts on Triton's queue refusals); more are
                                        refused (503, Retry-After growing with the
                                        overload) before their body is read
+  OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT=536870912  what the images of the requests
+                                       in flight hold at once (each to its request's
+                                       end); a request whose image would pass it is
+                                       refused (503, Retry-After)
   OPENAI_FRONT_BODY_TIMEOUT_S=10      a request body must arrive within this
                                        (408 and the connection closed after it), so
                                        slow or stalled senders cannot hold the body slots
@@ -70,9 +74,12 @@ class Settings:
     image_url_allow_private: bool = False        # dangerous: for tests on loopback only
     max_bodies_in_flight: int = 16
     # The most chat requests at once, whole (shedding.py). Below it the front learns how
-    # many Triton takes from its refusals: about 45/s x 1 s of LLM here, thousands on a GPU
-    # with a slow LLM. Each holds its image until answered (docs/reliability.md#overload).
+    # many Triton takes from its refusals: about 45/s x 1 s of LLM here; raise it for a GPU
+    # host behind a slow LLM (hundreds a second x seconds). docs/reliability.md#overload.
     max_requests_in_flight: int = 1024
+    # What their images hold in memory at once (each to its request's end), apart from
+    # their number: 1024 requests of 20 MiB would be 20 GiB.
+    max_image_bytes_in_flight: int = 512 * 1024 * 1024
     max_image_bytes: int = 20 * 1024 * 1024
     body_timeout_s: float = 10.0
     max_fetches_in_flight: int = 8
@@ -175,6 +182,8 @@ def from_environ(environ=None, **overrides):
         max_bodies_in_flight=_int(environ, "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT", 16, 1),
         max_requests_in_flight=_int(environ, "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT", Settings.max_requests_in_flight, 1),
         max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
+        max_image_bytes_in_flight=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT",
+                                       Settings.max_image_bytes_in_flight, 1),
         body_timeout_s=_float(environ, "OPENAI_FRONT_BODY_TIMEOUT_S", 10.0),
         max_fetches_in_flight=_int(environ, "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT", 8, 1),
         drain_s=_float(environ, "OPENAI_FRONT_DRAIN_S", 5.0),

@@ -3,14 +3,16 @@
 Triton refuses past its queue only after a request's whole body, a photo,
 was read and parsed; behind the front each refused request would also cost
 the front a read, a JSON parse and a base64 decode. Here a chat request past
-`OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT` (counted whole: body, Triton's answer,
-a stream to its end) is refused from its headers alone with 503 and
-Retry-After; aiohttp then discards its body unparsed. docs/reliability.md#overload.
+the requests in flight (counted whole: body, Triton's answer, a stream to its
+end) is refused from its headers alone with 503 and Retry-After; aiohttp then
+discards its body unparsed. docs/reliability.md#overload.
 
-How many to pass on is learnt from Triton's answers (AdaptiveLimit), under
-that setting as a ceiling: what keeps Triton busy depends on the LLM's
-latency and on the host (about 45 answers/s x 1 s of LLM here, thousands on
-a GPU), so no fixed number suits every deployment.
+How many may be in flight is learnt from Triton's answers (AdaptiveLimit),
+under `OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT` as a ceiling: what keeps Triton
+busy depends on the LLM's latency and on the host (about 45 answers/s x 1 s
+of LLM here, hundreds a second on a GPU), so no fixed number suits every
+deployment. What they hold in memory is bounded apart (ImageBytes): a slow
+LLM lets the limit rise, and each request holds its image to its end.
 
 The Retry-After grows with the overload. A fixed one second would bring every
 refused client back every second: at 20x the capacity, 20 refusals for each
@@ -47,6 +49,7 @@ import collections
 import contextlib
 import random
 import time
+import types
 
 from aiohttp import web
 
@@ -121,6 +124,9 @@ class AdaptiveLimit:
       20 s and the next cut comes; a refusal every 20 s or so (0.6 % of the
       answers again in bodies refused, in the test's model of the server).
 
+    `answered` counts the requests at Triton, not those admitted: requests
+    still sending their body would otherwise pass for the limit in use.
+
     Why refusals, not latency: a request's time is mostly the LLM's, which
     varies with the answer's length, so a latency target would mistake a
     long answer for a queue. What it costs: about every 20 s the queue
@@ -171,9 +177,31 @@ class Admission:
     """At most `limit.value` chat requests at once; the next one is refused at once."""
 
     def __init__(self, ceiling, retry_after=None, limit=None):
-        self.now = 0
+        self.now = 0         # admitted: reading a body, fetching an image, or at Triton
+        self.at_triton = 0   # of those, passed on to Triton
         self.limit = limit or AdaptiveLimit(ceiling)
         self.retry_after = retry_after or RetryAfter()
+
+    @contextlib.contextmanager
+    def passing_on(self):
+        """Around one request's call to Triton (a stream to its end), so that the
+        limit learns only what Triton did: a refusal for load cuts it, and an
+        answer (the caller sets `outcome.status`: 200) while at least half the
+        limit was at Triton raises it. A request still sending its body, a
+        failed stream or a client that left says nothing about what Triton takes."""
+        outcome = types.SimpleNamespace(status=None)
+        passed_at_cut = self.limit.cuts
+        self.at_triton += 1
+        try:
+            yield outcome
+        except FrontError as error:
+            if error.overload:
+                self.limit.refused(passed_at_cut)
+            raise
+        finally:
+            at_triton, self.at_triton = self.at_triton, self.at_triton - 1
+        if outcome.status == 200:
+            self.limit.answered(at_triton)
 
     @web.middleware
     async def middleware(self, request, handler):
@@ -183,23 +211,37 @@ class Admission:
             raise unavailable(f"the front holds {self.now} requests already, as many as Triton takes now "
                               "(at most OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT); retry after Retry-After seconds",
                               retry_after_s=self.retry_after.refuse())
-        passed_at_cut = self.limit.cuts
         self.now += 1
         try:
             response = await handler(request)
-        except FrontError as error:
-            if error.overload:
-                self.limit.refused(passed_at_cut)
-            raise
         finally:
-            in_flight, self.now = self.now, self.now - 1
+            self.now -= 1
         # Only answers measure the pace at which slots free for the waiting; a request
         # refused inside (bodies in flight, Triton's queue) or failed is not one.
         if response.status < 500:
             self.retry_after.finish()
-        if 200 <= response.status < 300:
-            self.limit.answered(in_flight)
         return response
+
+
+class ImageBytes:
+    """The bytes of the images that admitted requests hold (each to its answer
+    or its stream's end) at most `limit`, whatever the number of requests: a
+    request whose image would pass it is refused (503, Retry-After). One image
+    always fits, so the largest allowed is never refused for its size alone."""
+
+    def __init__(self, limit):
+        self.limit, self.now = limit, 0
+
+    @contextlib.contextmanager
+    def hold(self, size):
+        if self.now and self.now + size > self.limit:
+            raise unavailable(f"the front holds {self.now} bytes of images already "
+                              "(OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT); retry after Retry-After seconds")
+        self.now += size
+        try:
+            yield
+        finally:
+            self.now -= size
 
 
 def discard_refused_bodies(max_bytes, within_s):

@@ -16,12 +16,14 @@ import random
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from test_openai_front import StalledPool, body, front_with
+from test_openai_front import PNG, StalledPool, body, front_with
 from tritonclient.utils import InferenceServerException
 
 from backends.openai_describe import error_contract as contract
 from openai_front import app as front_app
-from openai_front.shedding import AdaptiveLimit
+from openai_front import settings
+from openai_front.errors import FrontError
+from openai_front.shedding import AdaptiveLimit, ImageBytes
 from openai_front.triton import Answer, front_error
 
 EXECUTORS, EXECUTION_S = 2, 0.044  # 45 answers/s: the 2-core host's saturation
@@ -251,3 +253,140 @@ def test_only_successful_answers_and_refusals_for_load_reach_the_limit():
 
     assert asyncio.run(main()) == [200, 400, 404]
     assert limit.seen == [("answered", 1)]
+
+
+class ScriptedPool(StalledPool):
+    """Each call waits for `go`, then answers, refuses for load, or (streams) sends
+    the labels and then fails or ends, as `script` says."""
+
+    REFUSAL = "in ensemble 'classify_and_describe', Request timeout expired"
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.go, self.calls = script, asyncio.Event(), 0
+
+    async def _turn(self):
+        self.calls += 1
+        await self.go.wait()
+        if self.script == "refuse":
+            raise front_error(InferenceServerException(self.REFUSAL))
+
+    async def infer(self, *args, **kwargs):
+        await self._turn()
+        return Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}, description="A cup")
+
+    async def stream(self, *args, **kwargs):
+        await self._turn()
+        yield Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}), "A cup"
+        if self.script == "fail after the labels":
+            raise front_error(InferenceServerException("the LLM upstream could not answer"))
+
+
+def exchange(pool, requests, stream=False, limit=None, **changes):
+    """`requests` chat requests at once through the front; when all reached the pool, they go on.
+    Returns (statuses, the front's limit, its Admission)."""
+    app = front_with(pool, **changes)
+
+    async def main():
+        if limit is not None:
+            app[front_app.ADMISSION].limit = limit
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            async def one():
+                async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                                        data=json.dumps(body(stream=stream))) as answer:
+                    await answer.read()
+                    return answer.status
+
+            sent = [asyncio.create_task(one()) for _ in range(requests)]
+            while pool.calls < requests:
+                await asyncio.sleep(0.01)
+            pool.go.set()
+            return await asyncio.gather(*sent), app[front_app.ADMISSION]
+
+    statuses, admission = asyncio.run(main())
+    return statuses, admission.limit, admission
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_burst_of_refusals_through_the_front_cuts_once(stream):
+    statuses, limit, admission = exchange(ScriptedPool("refuse"), 6, stream=stream)
+    assert statuses == [503] * 6
+    assert (limit.cuts, limit.value) == (1, 63)  # no answers yet: the least cut, once
+    assert (admission.now, admission.at_triton) == (0, 0)
+
+
+@pytest.mark.parametrize("script, seen", [("answer", [("answered", 1)]), ("fail after the labels", [])])
+def test_only_a_stream_that_ends_well_is_an_answer(script, seen):
+    """A failed stream (an error event after its 200 headers) says nothing of what Triton takes."""
+    limit = RecordingLimit()
+    statuses, _, _ = exchange(ScriptedPool(script), 1, stream=True, limit=limit)
+    assert statuses == [200] and limit.seen == seen
+
+
+def test_a_request_still_sending_its_body_is_not_at_triton():
+    """The ramp counts the requests at Triton: slow senders holding admitted slots are not evidence."""
+    pool = ScriptedPool("answer")
+    app = front_with(pool)
+    limit = RecordingLimit()
+    payload = json.dumps(body()).encode()
+
+    async def main():
+        app[front_app.ADMISSION].limit = limit
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            slow = []
+            for _ in range(3):  # admitted, their bodies half sent
+                reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(payload) + payload[:100])
+                await writer.drain()
+                slow.append(writer)
+            while app[front_app.ADMISSION].now < 3:
+                await asyncio.sleep(0.01)
+            pool.go.set()
+            async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", data=payload) as answer:
+                status = answer.status
+            for writer in slow:
+                writer.close()
+            return status
+
+    assert asyncio.run(main()) == 200
+    assert limit.seen == [("answered", 1)]  # not 4: three were admitted, none at Triton
+
+
+def test_the_images_in_flight_are_bounded_in_bytes_whatever_their_number():
+    pool = ScriptedPool("answer")
+    image_bytes = len(PNG)
+    app = front_with(pool, max_image_bytes_in_flight=2 * image_bytes)
+
+    async def main():
+        async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+
+            async def one():
+                async with session.post(url, data=json.dumps(body())) as answer:
+                    return answer.status, answer.headers.get("Retry-After"), await answer.json()
+
+            held = [asyncio.create_task(one()) for _ in range(2)]
+            while pool.calls < 2:
+                await asyncio.sleep(0.01)
+            refused = await asyncio.wait_for(one(), 10)  # a third image would pass the bytes allowed
+            pool.go.set()
+            return [status for status, _, _ in await asyncio.gather(*held)], refused, app[front_app.IMAGES].now
+
+    answered, (status, retry_after, error), left = asyncio.run(main())
+    assert answered == [200, 200] and left == 0
+    assert status == 503 and retry_after == "1"
+    assert "OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT" in error["error"]["message"]
+
+
+def test_one_image_always_fits():
+    images = ImageBytes(limit=10)
+    with images.hold(25):  # the largest allowed image is refused by its own limit, not this one
+        with pytest.raises(FrontError), images.hold(1):
+            pass
+    assert images.now == 0
+
+
+def test_the_image_bytes_setting():
+    assert settings.from_environ({}).max_image_bytes_in_flight == 512 * 1024 * 1024
+    assert settings.from_environ({"OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT": "7"}).max_image_bytes_in_flight == 7
