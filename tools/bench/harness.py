@@ -85,6 +85,13 @@ class Triton(TritonServer):
         the repository API needs this server's admin key."""
         http_json(f"http://{self.http_url}/v2/repository/models/{model}/load", {}, timeout=300,
                   headers=self.admin_headers)
+        # The call returns once the model and the ensembles that use it are loaded again, but
+        # Triton 2.51 unloads their old versions after it (about 1 s for a change of instance
+        # count); a perf_analyzer started then fails "failed to find the requested model version".
+        time.sleep(RELOAD_SETTLE_S)
+
+
+RELOAD_SETTLE_S = 3.0
 
 
 def stats_delta(before, after):
