@@ -61,12 +61,12 @@ class Throttled(TritonRequestError):
 _UNAVAILABLE_STATUSES = {"StatusCode.UNAVAILABLE", "503"}
 # Triton's queue policy refuses with these (full; waited past its timeout).
 QUEUE_REFUSALS = ("Exceeds maximum queue size", "Request timeout expired")
+_TIMEOUT_STATUSES = {"StatusCode.DEADLINE_EXCEEDED"}  # gRPC's client_timeout
 
 
 def queue_refused(message):
     """Whether an UNAVAILABLE's message is Triton's queue policy refusing (the server answered)."""
     return any(text in (message or "") for text in QUEUE_REFUSALS)
-_TIMEOUT_STATUSES = {"StatusCode.DEADLINE_EXCEEDED"}  # gRPC's client_timeout
 
 
 def _no_answer_errors():

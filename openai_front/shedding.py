@@ -64,32 +64,53 @@ MAX_RETRY_AFTER_S = 60  # under the openai SDK's 120 s, past which it gives up i
 ATTEMPTS_PER_FREED_SLOT = 2
 
 
+class PerSecond:
+    """How many times something happened a second, over the last WINDOW_S."""
+
+    def __init__(self):
+        self.times = collections.deque()
+
+    def _forget_before(self, now):
+        while self.times and self.times[0] < now - WINDOW_S:
+            self.times.popleft()
+
+    def add(self, now):
+        self.times.append(now)
+        self._forget_before(now)
+
+    def count(self, now):
+        """Times in the window ending `now`."""
+        self._forget_before(now)
+        return len(self.times)
+
+    def rate(self, now):
+        return self.count(now) / WINDOW_S
+
+
 class RetryAfter:
     """Seconds to ask a refused client to wait, from what the last WINDOW_S saw."""
 
     def __init__(self, clock=time.monotonic, rng=None):
         self.clock, self.rng = clock, rng or random.Random()
-        self.finished = collections.deque()  # times answers finished
+        self.finished = PerSecond()          # answers
         self.refused = collections.deque()   # (time, Retry-After given)
         self.refused_wait_s = 0.0            # sum of the Retry-Afters in self.refused
 
     def _forget_before(self, now):
-        edge = now - WINDOW_S
-        while self.finished and self.finished[0] < edge:
-            self.finished.popleft()
-        while self.refused and self.refused[0][0] < edge:
+        while self.refused and self.refused[0][0] < now - WINDOW_S:
             self.refused_wait_s -= self.refused.popleft()[1]
 
     def finish(self):
         now = self.clock()
-        self.finished.append(now)
+        self.finished.add(now)
         self._forget_before(now)
 
     def mean_s(self):
         """The mean wait to ask for now (at least 1 s)."""
-        self._forget_before(self.clock())
+        now = self.clock()
+        self._forget_before(now)
         # Nothing finished yet: as if one answer had, the slowest pace the window can show.
-        finished_per_s = max(len(self.finished), 1) / WINDOW_S
+        finished_per_s = max(self.finished.count(now), 1) / WINDOW_S
         waiting = self.refused_wait_s / WINDOW_S  # clients away at any moment (Little's law)
         return min(max(waiting / (ATTEMPTS_PER_FREED_SLOT * finished_per_s), 1.0), MAX_RETRY_AFTER_S / 2)
 
@@ -145,7 +166,7 @@ class AdaptiveLimit:
         self.clock = clock
         self.cuts = 0  # the requests passed on since the last cut carry this number
         self.ramping, self.last_cut = True, clock()
-        self.answers = collections.deque()  # times of the answers in the last WINDOW_S
+        self.answers = PerSecond()
 
     def allows(self, in_flight):
         return in_flight < int(self.value)
@@ -153,9 +174,7 @@ class AdaptiveLimit:
     def answered(self, in_flight):
         """An answer came back while `in_flight` requests were passed on."""
         now = self.clock()
-        self.answers.append(now)
-        while self.answers[0] < now - WINDOW_S:
-            self.answers.popleft()
+        self.answers.add(now)
         if 2 * in_flight < self.value:
             return  # the limit was not what held the requests back: no news about it
         if not self.ramping and now - self.last_cut > self.PROBE_AFTER_S:
@@ -167,8 +186,7 @@ class AdaptiveLimit:
         if passed_at_cut != self.cuts:
             return
         now = self.clock()
-        answers_per_s = sum(1 for t in self.answers if t >= now - WINDOW_S) / WINDOW_S
-        self.value = max(self.value - max(1.0, answers_per_s * self.QUEUE_CUT_S), self.floor)
+        self.value = max(self.value - max(1.0, self.answers.rate(now) * self.QUEUE_CUT_S), self.floor)
         self.cuts += 1
         self.ramping, self.last_cut = False, now
 

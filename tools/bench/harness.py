@@ -38,6 +38,10 @@ class FakeLLM(_FakeLLM):
         return self.admin("stats", timeout=30)
 
 
+# After a model's reload, Triton 2.51 still unloads the old versions (Triton.load).
+RELOAD_SETTLE_S = 3.0
+
+
 class Triton(TritonServer):
     """scripts/serve.sh on a temp copy of model_repository/ (so configs can be swapped)."""
 
@@ -89,9 +93,6 @@ class Triton(TritonServer):
         # Triton 2.51 unloads their old versions after it (about 1 s for a change of instance
         # count); a perf_analyzer started then fails "failed to find the requested model version".
         time.sleep(RELOAD_SETTLE_S)
-
-
-RELOAD_SETTLE_S = 3.0
 
 
 def stats_delta(before, after):
