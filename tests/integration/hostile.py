@@ -12,7 +12,7 @@ import threading
 import time
 import zlib
 
-from serving.procfs import process_tree, rss_mb, tritonserver_pid
+from serving.procfs import process_tree, rss_mb, stub_instance, tritonserver_pid
 
 from .public_models import COFFEE_TOP1
 from .raw_infer import GrpcInfer, bytes_tensor, element, http_infer
@@ -145,6 +145,14 @@ def status_kb(pid, field):
     return 0
 
 
+def _command(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 class Memory:
     """RSS of every process of the server (supervisor, tritonserver, its stubs,
     the front) and tritonserver's own peak (VmHWM), in MB."""
@@ -155,6 +163,21 @@ class Memory:
 
     def total_mb(self):
         return rss_mb(self.root)
+
+    def by_process(self):
+        """{name: MB}: each process of the server by what it is (a stub by its
+        instance, others by their command), so a growth names who grew."""
+        rows = {}
+        for pid in process_tree(self.root):
+            name = stub_instance(pid) or _command(pid) or str(pid)
+            rows[name] = rows.get(name, 0.0) + status_kb(pid, "VmRSS") / 1024
+        return {name: round(mb, 1) for name, mb in rows.items()}
+
+    def growth_by_process(self):
+        """{name: MB grown since start_by_process was taken}, largest first."""
+        now = self.by_process()
+        grown = {name: round(mb - self.start_by_process.get(name, 0.0), 1) for name, mb in now.items()}
+        return dict(sorted(grown.items(), key=lambda row: -row[1]))
 
     def server_peak_mb(self):
         return round(status_kb(self.server, "VmHWM") / 1024, 1)

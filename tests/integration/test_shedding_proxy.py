@@ -87,3 +87,25 @@ def test_the_proxy_refuses_before_the_body_and_admits_the_rest(proxy, triton, ph
     assert again.ok, again.message
     assert probe_status(proxy.url) == 200
     assert triton.is_ready()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "identity"])
+def test_the_proxy_refuses_compressed_bodies_from_the_headers_alone(proxy, triton, photos, encoding):
+    """Triton 2.51 leaks the inflated body of every compressed request it fails
+    to parse (a gzip bomb: its whole inflated size, each time;
+    docs/reliability.md#hostile-clients-on-every-port), so the shipped proxy
+    refuses any Content-Encoding with 415 before a byte of the body arrives,
+    and Triton never sees it; uncompressed requests beside it are answered."""
+    host, port = proxy.url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=HOLD_TIMEOUT_S)
+    connection.putrequest("POST", f"/v2/models/{ENSEMBLE}/infer")
+    connection.putheader("Content-Encoding", encoding)
+    connection.putheader("Content-Type", "application/json")
+    connection.putheader("Content-Length", str(1 << 30))
+    connection.endheaders()
+    answer = connection.getresponse()
+    assert answer.status == 415, answer.status
+    assert answer.getheader("Content-Type") == "application/json"
+    assert "Content-Encoding" in json.loads(answer.read())["error"]  # Triton's error format
+    connection.close()
+    assert http_infer(proxy.url, "classify", [bytes_tensor("IMAGE", [[photos["coffee"]]])]).ok
