@@ -5,7 +5,6 @@ earlier turns (text only), response_format and the sampling overrides the
 describe step accepts; every other field is refused by name. Pure: no I/O,
 no Triton."""
 
-import base64
 import binascii
 import dataclasses
 import ipaddress
@@ -13,6 +12,8 @@ import json
 import math
 import re
 import urllib.parse
+
+import pybase64
 
 from .errors import FrontError, invalid, too_large
 
@@ -295,7 +296,9 @@ def decode_data_uri(uri, max_bytes, param=None):
     if is_base64 and len(data) > 4 * math.ceil(max_bytes / 3) + 4:  # + a little padding and whitespace slack
         raise too_large(f"the image is more than the {max_bytes} bytes allowed", param=param)
     try:
-        image = base64.b64decode(data, validate=True) if is_base64 else urllib.parse.unquote_to_bytes(data)
+        # pybase64: the same result and errors as base64.b64decode, with SIMD; the stdlib's
+        # took 18 % of the front's CPU (0.86 ms for a 466 KB photo, docs/benchmarks-method.md).
+        image = pybase64.b64decode(data, validate=True) if is_base64 else urllib.parse.unquote_to_bytes(data)
     except (binascii.Error, ValueError):
         raise invalid("the image's data: URI is not valid base64", param=param) from None
     if not image:
