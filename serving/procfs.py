@@ -6,6 +6,7 @@ Linux only (/proc)."""
 
 import json
 import os
+import pathlib
 import re
 import urllib.request
 
@@ -101,6 +102,17 @@ def tritonserver_pid(root_pid):
         except OSError:
             continue
     return None
+
+
+def front_pid(supervisor_pid):
+    """The OpenAI front process the supervisor started beside the server."""
+    for pid in children(supervisor_pid):
+        try:
+            if b"openai_front" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise RuntimeError("no openai_front process beside the server")
 
 
 def stub_pid(server_pid, instance):

@@ -4,7 +4,6 @@ Uses the session fixtures `triton` and `photos` from conftest.py; answers are co
 with the eager PyTorch reference in tools/reference.py.
 """
 
-import pathlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -154,7 +153,7 @@ def test_the_decode_stubs_and_the_front_reuse_freed_memory_instead_of_faulting_i
     depend on how busy the machine is. Each process that serves the requests is counted:
     `classify` is decoded and classified in classify_with_view's stubs (the CPU layout; this
     test counted the preprocess stubs, which `classify` no longer reaches, and could not fail)."""
-    from serving.procfs import children, model_of, stub_instance, tritonserver_pid
+    from serving.procfs import children, front_pid, model_of, stub_instance, tritonserver_pid
 
     from .test_openai_front import data_uri, post, user_message
 
@@ -168,9 +167,7 @@ def test_the_decode_stubs_and_the_front_reuse_freed_memory_instead_of_faulting_i
     # were measured in-process on the two-stub layout (218 a photo); this keeps the stubs at it.
     assert per_request < 50, f"{per_request:.0f} minor page faults per request in the classify_with_view stubs"
 
-    front = [pid for pid in children(triton.process.pid)
-             if b"openai_front" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert len(front) == 1, front
+    front = [front_pid(triton.process.pid)]
     photo = data_uri(photos["coffee"])
 
     def chat(index):  # a prompt of its own each: no answer comes from the describe step's cache

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from serving.procfs import children, cpu_seconds
+from serving.procfs import cpu_seconds, front_pid
 from tools import host
 from tools.bench.clients import _drive, _inputs, _percentile
 from tools.bench.harness import FakeLLM, Triton, load_average
@@ -52,16 +52,6 @@ def log(message):
 def process_cpu_s(pid):
     seconds = cpu_seconds(pid)
     return float("nan") if seconds is None else seconds  # the front gone: its figure unknown, not 0
-
-
-def front_pid(supervisor_pid):
-    for pid in children(supervisor_pid):
-        try:
-            if b"openai_front" in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
-    raise RuntimeError("no openai_front process beside the server")
 
 
 class Paths:
