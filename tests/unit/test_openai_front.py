@@ -675,6 +675,9 @@ async def _post(app, payload, **server_options):
     (lambda stream: surrogate_body(stream=stream), "messages[0].content[0]"),
     (lambda stream: json.dumps(body(stream=stream, max_tokens=2**63)), "max_tokens"),
     (lambda stream: json.dumps(body(stream=stream, max_tokens=True)), "max_tokens"),
+    # orjson refuses these bodies; the stdlib's reading names the field as before
+    (lambda stream: json.dumps(body(stream=stream, temperature=float("nan"))), "temperature"),
+    (lambda stream: "\ufeff" + json.dumps(body(stream=stream, max_tokens=True)), "max_tokens"),
 ])
 def test_through_the_front_they_are_a_400_in_openai_format_on_both_paths(stream, payload, param):
     """The real app and the real TritonPool: the request is refused before any
@@ -683,6 +686,26 @@ def test_through_the_front_they_are_a_400_in_openai_format_on_both_paths(stream,
     status, _, answer = asyncio.run(_post(app, payload(stream)))
     assert status == 400, answer
     assert json.loads(answer)["error"]["param"] == param
+
+
+@pytest.mark.parametrize("raw", [
+    json.dumps(body(text="What is it? \u00e9\u4e2d", temperature=0.5, max_tokens=2**63 - 1)).encode(),
+    b'{"temperature": NaN, "a": Infinity, "b": -Infinity}',
+    b'{"text": "\\ud800 alone", "pair": "\\ud83d\\ude00"}',
+    b'\xef\xbb\xbf{"model": "m"}',
+    b' [1, 2.5, -0, 1e-7, "x", null, true] ',
+    b'{"a": 1, "a": 2}',
+], ids=["a chat request", "NaN and Infinity", "a lone surrogate", "a byte order mark", "a list", "a repeated key"])
+def test_a_body_is_read_as_the_standard_library_reads_it(raw):
+    """orjson reads what it accepts alike, and what it refuses goes to the stdlib."""
+    assert repr(front_app.load_json(raw)) == repr(json.loads(raw))
+
+
+@pytest.mark.parametrize("raw", [b"{", b'{"a": 1} x', b'{"a": "\xff"}', b"[" * 5000 + b"]" * 5000, b""])
+def test_a_body_neither_reads_is_a_400(raw):
+    with pytest.raises(FrontError) as error:
+        front_app.load_json(raw)
+    assert error.value.status == 400 and "not valid JSON" in error.value.message
 
 
 def _free_port():
@@ -772,7 +795,11 @@ def test_a_body_that_waits_for_a_slot_gets_the_next_one_freed():
     assert first == b"HTTP/1.1 404 Not Found" and second == 404 and still_waiting == 0
 
 
-def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch):
+@pytest.mark.parametrize("image_bytes, on_the_loop", [(0, True), (466_000, True), (front_app.OFFLOAD_BYTES, False)],
+                         ids=["tiny", "coffee.png's size", "over the limit"])
+def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch, image_bytes, on_the_loop):
+    """A photo's body is parsed on the loop (the hop to a thread and back cost more
+    than the parse); one that would stall the loop for milliseconds goes to a worker."""
     threads = []
     parse = front_app._parse_body
 
@@ -781,13 +808,12 @@ def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeyp
         return parse(raw, settings)
 
     monkeypatch.setattr(front_app, "_parse_body", recording)
-    big = json.dumps(body(url="data:image/png;base64," + base64.b64encode(PNG + b"\0" * 300_000).decode(), model="x"))
-    small = json.dumps(body(model="x"))
-    for payload in (big, small):
-        status, _, _ = asyncio.run(_post(front_with(StalledPool(), max_image_bytes=1024 * 1024), payload))
-        assert status == 404  # parsed: the model id is unknown
-    assert threads == [False, True]
-    assert len(big) > front_app.OFFLOAD_BYTES > len(small)
+    payload = json.dumps(body(url="data:image/png;base64," + base64.b64encode(PNG + b"\0" * image_bytes).decode(),
+                              model="x"))
+    status, _, _ = asyncio.run(_post(front_with(StalledPool(), max_image_bytes=2 * front_app.OFFLOAD_BYTES), payload))
+    assert status == 404  # parsed: the model id is unknown
+    assert threads == [on_the_loop]
+    assert (len(payload) > front_app.OFFLOAD_BYTES) != on_the_loop
 
 
 def test_finish_reason_is_the_one_the_describe_step_passed_on_in_usage():
