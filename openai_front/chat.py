@@ -285,9 +285,11 @@ def _user_content(content, param):
 def decode_data_uri(uri, max_bytes, param=None):
     """The bytes of `data:[<media type>][;base64],<data>`. The size is checked
     on the encoded text first, so a huge URI is refused before it is decoded."""
-    header, comma, data = uri[5:].partition(",")
-    if not comma:
+    comma = uri.find(",", 5)
+    if comma < 0:
         raise invalid("the image's data: URI has no ',' before its data", param=param)
+    # One copy of the data (uri[5:].partition(",") made two of a photo's 622 KB).
+    header, data = uri[5:comma], uri[comma + 1:]
     fields = header.split(";")
     media_type = fields[0].strip().lower()
     if media_type and not media_type.startswith("image/"):
