@@ -218,7 +218,10 @@ def load_json(raw):
     time, but it is stricter (RFC 8259): it refuses NaN and Infinity, a lone surrogate's
     escape, a UTF-8 byte order mark, nesting past 1,024. A body it refuses is read
     again by the stdlib, whose reading the front's answers were made for (a lone
-    surrogate or a NaN is refused naming its field, not as bad JSON)."""
+    surrogate or a NaN is refused naming its field, not as bad JSON). Two differences
+    remain: integers past 64 bits come out as floats (max_tokens refuses either; in a
+    response_format's schema one would reach the LLM as a float), and a body
+    neither reads costs both parses (at most OPENAI_FRONT_MAX_BODIES_IN_FLIGHT at once)."""
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
