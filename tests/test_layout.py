@@ -81,7 +81,7 @@ def test_the_client_imports_only_itself_and_its_declared_dependencies():
 
 
 def test_the_openai_front_talks_to_triton_and_nothing_else():
-    # prometheus_client: its own /metrics, in the standard exposition; pybase64 and orjson: the body's
+    # prometheus_client: its own /metrics, in the standard exposition; orjson and pybase64: the body's
     # JSON and the photo's decode.
     allowed = STDLIB | {"openai_front", ".", "aiohttp", "tritonclient", "grpc", "numpy", "prometheus_client",
                         "pybase64", "orjson"}
