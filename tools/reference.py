@@ -90,3 +90,30 @@ def bad_images():
         "bomb_50000x50000": (png_with_header_size(50000, 50000), "pixels"),
         "tiff": (encode(Image.new("RGB", (64, 48)), "TIFF"), "not supported"),
     }
+
+
+# What each kind of metadata in jpeg_with_metadata carries: none of it may reach the LLM.
+PHOTO_SECRETS = (b"GPS-SECRET-51.5007N", b"SERIAL-SECRET-0042", b"XMP-SECRET-person", b"COMMENT-SECRET",
+                 b"ICC-SECRET-profile", b"IPTC-SECRET-byline", b"TRAILER-SECRET-motion-video")
+
+
+def jpeg_with_metadata(size=(640, 480), mode="RGB", **options):
+    """A JPEG as a phone writes one, upright: EXIF (a GPS tag, the camera's serial, orientation 1),
+    XMP, an ICC profile, a comment, an IPTC block (APP13) and bytes after the end of the image
+    (where phones put a motion photo's video), each holding one of PHOTO_SECRETS."""
+    gps, serial, xmp, comment, icc, iptc, trailer = PHOTO_SECRETS
+    width, height = size
+    image = Image.new("RGB", size, (30, 90, 200))
+    image.paste((250, 200, 20), (0, 0, width // 2, height // 2))
+    image = image.convert(mode)
+    exif = Image.Exif()
+    exif[0x0112] = 1  # Orientation: upright
+    exif[0xA431] = serial.decode()  # BodySerialNumber
+    exif.get_ifd(0x8825)[0x001B] = gps  # GPS IFD, GPSProcessingMethod
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=90, exif=exif, xmp=b"<x:xmpmeta>" + xmp + b"</x:xmpmeta>", comment=comment,
+               icc_profile=icc * 8, **options)
+    data = out.getvalue()
+    app13 = b"Photoshop 3.0\0" + iptc
+    app13 = b"\xff\xed" + (len(app13) + 2).to_bytes(2, "big") + app13
+    return data[:2] + app13 + data[2:] + trailer

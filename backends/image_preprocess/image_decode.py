@@ -7,17 +7,21 @@ of float32's bytes between the stub processes. Resize and crop follow TF's
 eval preprocessing; a large JPEG is decoded at reduced scale (draft mode).
 The measurements and reasons: docs/preprocessing.md.
 
-The same decode also gives the view the describe step shows the LLM (make_view):
-upright, alpha flattened on white, long side at most view_max_side, JPEG of at
-most view_max_bytes. It is made only when asked for (docs/DESIGN.md#the-view).
+The same decode also gives the view the describe step shows the LLM: upright,
+alpha flattened on white, long side at most view_max_side, JPEG of at most
+view_max_bytes. A client's JPEG that is all of that already is sent as it came,
+less every byte that decoding does not need (EXIF, GPS, XMP, comments, trailers:
+jpeg_without_metadata); any other photo is re-encoded (make_view). It is made
+only when asked for (docs/DESIGN.md#the-view).
 """
 
 import dataclasses
 import io
 import math
+import re
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from PIL.JpegImagePlugin import JpegImageFile
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
@@ -104,8 +108,12 @@ class ImagePreprocessor:
 
     def with_view(self, data):
         """bytes -> (the pixels, the view's JPEG bytes) from one decode."""
-        image = self.decode_upright(data)
-        return self.pixels(_to_rgb(image)), make_view(image, self.settings)
+        stored, stored_size = self._load(data)
+        image = _upright(stored)
+        view = None
+        if image is stored:  # upright as stored: the client's own JPEG may be the view
+            view = jpeg_as_view(data, stored, stored_size, self.settings)
+        return self.pixels(_to_rgb(image)), view or make_view(image, self.settings)
 
     def pixels(self, image):
         """Upright RGB PIL image -> uint8 [3, crop, crop]."""
@@ -122,6 +130,11 @@ class ImagePreprocessor:
 
     def decode_upright(self, data):
         """Encoded bytes -> upright PIL image in its own mode (alpha kept), or InvalidImage."""
+        return _upright(self._load(data)[0])
+
+    def _load(self, data):
+        """Encoded bytes -> (the PIL image loaded as stored, not yet turned upright; its size in
+        the header, before any reduced-scale decode), or InvalidImage saying what is wrong."""
         limits = self.settings
         if len(data) == 0:
             raise InvalidImage("IMAGE is empty (0 bytes); send the encoded file bytes")
@@ -159,12 +172,27 @@ class ImagePreprocessor:
                 image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
         try:
             image.load()  # GIF and other animations: the first frame is the one loaded
-            return ImageOps.exif_transpose(image)
+            return image, (width, height)
         except Image.DecompressionBombError as error:
             raise InvalidImage(f"IMAGE is too large: {error}") from None
         except (OSError, SyntaxError, ValueError) as error:
             # Truncated or corrupt pixel data: Pillow reports "image file is truncated" etc.
             raise InvalidImage(f"IMAGE {image.format} data is corrupt or truncated: {error}") from None
+
+
+def _upright(image):
+    """A loaded image turned as its EXIF orientation says; the same object when it is upright
+    already (in place: no copy of the pixels), a new one otherwise."""
+    try:
+        turned = ImageOps.exif_transpose(image, in_place=False) if _orientation(image) != 1 else None
+    except (OSError, SyntaxError, ValueError) as error:
+        raise InvalidImage(f"IMAGE {image.format} metadata cannot be read: {error}") from None
+    return image if turned is None else turned
+
+
+def _orientation(image):
+    # What exif_transpose reads (EXIF, or XMP's tiff:Orientation); 1 is upright.
+    return image.getexif().get(ExifTags.Base.Orientation, 1)
 
 
 def wants_view(declared, requested_names, view_name):
@@ -204,7 +232,8 @@ def make_view(image, settings):
     quality = settings.view_quality
     while True:
         out = io.BytesIO()
-        image.save(out, "JPEG", quality=quality)
+        # comment b"": Pillow would copy the photo's own JPEG comment (im.info) into the view.
+        image.save(out, "JPEG", quality=quality, comment=b"")
         if out.tell() <= settings.view_max_bytes:
             return out.getvalue()
         if quality > 50:
@@ -212,6 +241,87 @@ def make_view(image, settings):
         else:  # still too large at quality 50: a smaller picture, not a worse one
             image = image.resize((max(1, image.width * 3 // 4), max(1, image.height * 3 // 4)),
                                  Image.Resampling.BICUBIC)
+
+
+def jpeg_as_view(data, image, stored_size, settings):
+    """The client's JPEG as the view where it is one already: a plain JPEG (not MPO), RGB or
+    grey, upright as stored (the caller checks), long side at most view_max_side, at most
+    view_max_bytes once stripped to what decoding needs. None otherwise: make_view re-encodes.
+
+    Sent as it came, the LLM sees the photo without a second lossy encode, and the encode's
+    CPU is saved (docs/benchmarks-vision.md); its metadata is not sent (jpeg_without_metadata)."""
+    if image.format != "JPEG" or image.mode not in ("RGB", "L") or max(stored_size) > settings.view_max_side:
+        return None
+    view = jpeg_without_metadata(data)
+    return view if view is not None and len(view) <= settings.view_max_bytes else None
+
+
+# What a decoder needs, kept: quantisation and Huffman tables, restart interval, the frame
+# header of baseline, extended and progressive Huffman JPEGs (what every vision API reads),
+# JFIF's and Adobe's headers (Adobe's says how the colours were transformed).
+_JPEG_TABLES = {0xDB, 0xC4, 0xDD}
+_JPEG_FRAMES = {0xC0, 0xC1, 0xC2}
+_JPEG_HEADERS = {0xE0: b"JFIF\0", 0xEE: b"Adobe"}
+# Left out: APP1-APP13 and APP15 (EXIF with GPS and the camera's serial, XMP, ICC profiles,
+# IPTC, makers' notes), comments, and anything after the end of the image (a phone's motion
+# video, depth maps). The view re-encoded by make_view has none of these either.
+_JPEG_METADATA = set(range(0xE0, 0xF0)) | {0xFE}
+_SOS, _EOI = 0xDA, 0xD9
+_NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
+
+
+def jpeg_without_metadata(data):
+    """A JPEG's bytes with only the segments decoding needs, its compressed data untouched (the
+    same pixels, no second encode); None for anything the walk does not know: a frame type other
+    than the three kept, a precision other than 8 bits, a segment running past the end."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    out = [b"\xff\xd8"]
+    pos, end, frame = 2, len(data), False
+    while True:
+        if pos >= end or data[pos] != 0xFF:
+            return None
+        while pos < end and data[pos] == 0xFF:  # a marker may be preceded by fill bytes
+            pos += 1
+        if pos >= end:
+            return None
+        code = data[pos]
+        pos += 1
+        if code == _EOI:
+            return b"".join(out) + b"\xff\xd9" if frame else None
+        if pos + 2 > end:
+            return None
+        length = int.from_bytes(data[pos:pos + 2], "big")
+        segment_end = pos + length
+        if length < 2 or segment_end > end:
+            return None
+        payload = data[pos + 2:segment_end]
+        if code == _SOS:
+            scan_end = _jpeg_scan_end(data, segment_end)
+            if scan_end is None or not frame:
+                return None
+            out.append(b"\xff\xda" + data[pos:scan_end])
+            pos = scan_end
+            continue
+        if code in _JPEG_FRAMES:
+            if frame or length < 8 or payload[0] != 8:  # one frame, 8-bit samples
+                return None
+            frame = keep = True
+        else:
+            keep = code in _JPEG_TABLES or (code in _JPEG_HEADERS and payload.startswith(_JPEG_HEADERS[code]))
+            if not keep and code not in _JPEG_METADATA:  # arithmetic, lossless, hierarchical, unknown
+                return None
+        if keep:
+            out.append(bytes((0xFF, code)) + data[pos:segment_end])
+        pos = segment_end
+
+
+def _jpeg_scan_end(data, pos):
+    """Where a scan's entropy-coded data ends: the next marker that is not a stuffed 0xFF00 or a
+    restart marker (the last 0xFF before its code, fill bytes before it staying in the scan).
+    None when the file ends first."""
+    found = _NEXT_MARKER.search(data, pos)
+    return None if found is None else found.start()
 
 
 def _flatten_on_white(image):

@@ -3,7 +3,8 @@ path: the classify_and_describe ensemble over HTTP and gRPC, and the
 classify_and_describe_stream model (gRPC stream and HTTP generate_stream). The
 fake upstream (tools/fake_openai) decodes each image part it gets, so each
 test checks what the LLM was shown: a JPEG, long side bounded with the aspect
-kept, EXIF orientation applied, alpha flattened on white."""
+kept, EXIF orientation applied, alpha flattened on white, no metadata; a JPEG
+that is all that already as the client sent it."""
 
 import base64
 import hashlib
@@ -17,7 +18,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
+from tools.backend_code import load
 from tools.bench import inprocess
+from tools.reference import PHOTO_SECRETS, jpeg_with_metadata
 
 from .conftest import STARTS_ITS_OWN_SERVER, running_triton
 from .public_models import REPO
@@ -100,10 +103,24 @@ def test_the_llm_sees_the_photo_upright_and_bounded(triton, llm, path):
     # Upright (1000x1600 displayed), long side bounded, aspect kept: 480x768.
     assert (seen["width"], seen["height"]) == (480, VIEW_MAX_SIDE)
     assert np.abs(np.array(seen["corner_rgb"]) - (255, 0, 0)).max() < 16  # red on top: orientation applied
+    assert seen["metadata"] == []  # re-encoded: the orientation applied, not sent
     body = llm.admin("stats")["bodies"][-1]
     text = body["messages"][-1]["content"][0]["text"]
     assert "ImageNet image classifier" in text  # the labels are there, as grounding
     assert usage["prompt_tokens"] >= 85  # the image's tokens, as the upstream counts them
+
+
+@pytest.mark.parametrize("path", PATHS, ids=["-".join(p) for p in PATHS])
+def test_a_photo_that_is_a_view_already_reaches_the_llm_as_sent_without_its_metadata(triton, llm, path):
+    """A phone's upright JPEG within the view's bounds: the LLM gets the client's own compressed
+    data (no second lossy encode), and none of its EXIF, GPS, XMP, ICC, IPTC, comment or trailer."""
+    photo = jpeg_with_metadata((640, 480))
+    ask(triton, path, photo, unique("As sent?"))
+    seen = last_image(llm)
+    stripped = load("image_preprocess", "image_decode").jpeg_without_metadata(photo)  # unit-tested apart
+    assert seen["sha256"] == hashlib.sha256(stripped).hexdigest()
+    assert (seen["format"], seen["width"], seen["height"], seen["metadata"]) == ("JPEG", 640, 480, [])
+    assert seen["bytes"] < len(photo) - len(b"".join(PHOTO_SECRETS))
 
 
 @pytest.mark.parametrize("path", [PATHS[0], PATHS[2]], ids=["ensemble-http", "stream-grpc"])

@@ -12,9 +12,10 @@ from backend_model import load_model
 from PIL import Image, ImageFile
 
 from tools.model_config import read as read_model_config
-from tools.reference import bad_images, png_with_header_size, reference_pixels
+from tools.reference import PHOTO_SECRETS, bad_images, jpeg_with_metadata, png_with_header_size, reference_pixels
 
-from image_decode import ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, decode_items, parse_settings, wants_view
+from image_decode import (ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, decode_items,
+                          jpeg_without_metadata, parse_settings, wants_view)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
@@ -460,6 +461,86 @@ def test_the_view_fits_its_byte_bound():
     noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (700, 700, 3), dtype=np.uint8))
     image, view = view_of(encode(noise, "PNG"), view_max_bytes=40000)
     assert len(view) <= 40000 and image.width == image.height  # lower quality, then smaller: aspect kept
+
+
+METADATA_KEYS = ("exif", "xmp", "icc_profile", "comment", "photoshop")
+
+
+def assert_no_metadata(view):
+    assert not [secret for secret in PHOTO_SECRETS if secret in view]
+    image = Image.open(io.BytesIO(view))
+    assert not [key for key in METADATA_KEYS if key in image.info] and not image.getexif()
+    assert view.endswith(b"\xff\xd9")  # nothing after the end of the image
+
+
+def decoded(data):
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("options", [{}, {"progressive": True}, {"restart_marker_blocks": 2}, {"subsampling": 0},
+                                     {"mode": "L"}, {"size": (768, 300)}],
+                         ids=["baseline", "progressive", "restart-markers", "4:4:4", "grey", "at-the-bound"])
+def test_a_jpeg_that_is_a_view_already_is_sent_as_it_came_less_its_metadata(options):
+    """Upright, RGB or grey, within view_max_side and view_max_bytes: the client's own compressed
+    data, not a second lossy encode; every metadata segment and the trailer are left out."""
+    data = jpeg_with_metadata(**options)
+    image, view = view_of(data)
+    assert_no_metadata(view)
+    assert np.array_equal(decoded(view), decoded(data))  # the very pixels the client sent
+    assert view == jpeg_without_metadata(data) and len(view) < len(data)
+    assert image.mode == Image.open(io.BytesIO(data)).mode
+
+
+@pytest.mark.parametrize("case", ["rotated", "too-wide", "too-many-bytes", "cmyk", "png"])
+def test_a_photo_that_is_not_a_view_already_is_re_encoded_without_its_metadata(case):
+    data = {"rotated": lambda: rotate_exif(jpeg_with_metadata((400, 300)), 6),
+            "too-wide": lambda: jpeg_with_metadata((1000, 600)),
+            "too-many-bytes": lambda: jpeg_with_metadata((600, 400)),
+            "cmyk": lambda: jpeg_with_metadata(mode="CMYK"),
+            "png": lambda: encode(solid((30, 90, 200), (300, 200)), "PNG",
+                                  pnginfo=png_text("Comment", PHOTO_SECRETS[3].decode()))}[case]()
+    settings = {"view_max_bytes": 4096} if case == "too-many-bytes" else {}
+    image, view = view_of(data, **settings)
+    assert_no_metadata(view)
+    assert view != jpeg_without_metadata(data) and image.mode == "RGB"
+    # too-wide: from the classifier's half-scale decode (docs/DESIGN.md#the-view)
+    expected = {"rotated": (300, 400), "too-wide": (500, 300), "cmyk": (640, 480), "png": (300, 200)}
+    if case in expected:
+        assert image.size == expected[case]
+    else:
+        assert len(view) <= 4096
+
+
+def rotate_exif(data, orientation):
+    image = Image.open(io.BytesIO(data))
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    return encode(image, "JPEG", exif=exif, quality=90, xmp=image.info["xmp"])
+
+
+def png_text(key, value):
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text(key, value)
+    return info
+
+
+def test_jpeg_without_metadata_refuses_what_it_does_not_know():
+    data = jpeg_with_metadata((64, 48))
+    frame = data.index(b"\xff\xc0")
+    assert jpeg_without_metadata(data[:frame] + b"\xff\xc9" + data[frame + 2:]) is None  # arithmetic coding
+    assert jpeg_without_metadata(data[:frame + 4] + b"\x0c" + data[frame + 5:]) is None  # 12-bit samples
+    assert jpeg_without_metadata(data.replace(b"\xff\xd9", b"")) is None  # no end of image
+    assert jpeg_without_metadata(encode(solid((1, 2, 3), (64, 48)), "PNG")) is None
+    # Every cut and 2,000 corrupted bytes: an answer or None, never an exception; an answer is a whole JPEG.
+    rng = np.random.default_rng(3)
+    corrupted = [data[:cut] for cut in range(len(data))]
+    for at in rng.integers(0, len(data), 2000):
+        corrupted.append(data[:at] + bytes([rng.integers(0, 256)]) + data[at + 1:])
+    for candidate in corrupted:
+        stripped = jpeg_without_metadata(candidate)
+        assert stripped is None or (stripped.startswith(b"\xff\xd8") and stripped.endswith(b"\xff\xd9"))
 
 
 def view_model(monkeypatch, vision=None):

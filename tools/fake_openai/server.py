@@ -401,6 +401,10 @@ def _image_parts(body):
     return images
 
 
+# What Pillow reports of a picture's metadata (EXIF, XMP, ICC, comments, IPTC): the tests check none arrives.
+METADATA_KEYS = ("exif", "xmp", "icc_profile", "comment", "photoshop", "Comment")
+
+
 def _inspected(stats):
     """The stats with each image's bytes replaced, once, by what they decode to:
     format, size, one corner's colour (or the error when not a picture)."""
@@ -415,7 +419,8 @@ def _inspected(stats):
                 with Image.open(io.BytesIO(data)) as image:
                     rgb = image.convert("RGB")
                     record.update(format=image.format, width=image.width, height=image.height,
-                                  corner_rgb=list(rgb.getpixel((0, 0))))
+                                  corner_rgb=list(rgb.getpixel((0, 0))),
+                                  metadata=sorted(key for key in METADATA_KEYS if key in image.info))
             except Exception as exc:  # not a picture: the test says so
                 record["error"] = f"{type(exc).__name__}: {exc}"
     return stats
