@@ -94,14 +94,16 @@ def bad_images():
 
 # What each kind of metadata in jpeg_with_metadata carries: none of it may reach the LLM.
 PHOTO_SECRETS = (b"GPS-SECRET-51.5007N", b"SERIAL-SECRET-0042", b"XMP-SECRET-person", b"COMMENT-SECRET",
-                 b"ICC-SECRET-profile", b"IPTC-SECRET-byline", b"TRAILER-SECRET-motion-video")
+                 b"ICC-SECRET-profile", b"IPTC-SECRET-byline", b"TRAILER-SECRET-motion-video",
+                 b"THUMB-SECRET")  # 12 bytes: a 4x1 RGB thumbnail
 
 
 def jpeg_with_metadata(size=(640, 480), mode="RGB", **options):
     """A JPEG as a phone writes one, upright: EXIF (a GPS tag, the camera's serial, orientation 1),
     XMP, an ICC profile, a comment, an IPTC block (APP13) and bytes after the end of the image
-    (where phones put a motion photo's video), each holding one of PHOTO_SECRETS."""
-    gps, serial, xmp, comment, icc, iptc, trailer = PHOTO_SECRETS
+    (where phones put a motion photo's video), and a JFIF header with a thumbnail (which can show
+    what a crop cut away), each holding one of PHOTO_SECRETS."""
+    gps, serial, xmp, comment, icc, iptc, trailer, thumbnail = PHOTO_SECRETS
     width, height = size
     image = Image.new("RGB", size, (30, 90, 200))
     image.paste((250, 200, 20), (0, 0, width // 2, height // 2))
@@ -116,4 +118,9 @@ def jpeg_with_metadata(size=(640, 480), mode="RGB", **options):
     data = out.getvalue()
     app13 = b"Photoshop 3.0\0" + iptc
     app13 = b"\xff\xed" + (len(app13) + 2).to_bytes(2, "big") + app13
-    return data[:2] + app13 + data[2:] + trailer
+    jfif = b"JFIF\0\x01\x01\x00\x00\x01\x00\x01" + bytes((4, 1)) + thumbnail  # version, density, 4x1 pixels
+    app0 = b"\xff\xe0" + (len(jfif) + 2).to_bytes(2, "big") + jfif
+    rest = 2  # Pillow's own JFIF header, where it wrote one (not for CMYK), is replaced
+    if data[2:4] == b"\xff\xe0":
+        rest = 4 + int.from_bytes(data[4:6], "big")
+    return data[:2] + app0 + app13 + data[rest:] + trailer

@@ -10,8 +10,9 @@ The measurements and reasons: docs/preprocessing.md.
 The same decode also gives the view the describe step shows the LLM: upright,
 alpha flattened on white, long side at most view_max_side, JPEG of at most
 view_max_bytes. A client's JPEG that is all of that already is sent as it came,
-less every byte that decoding does not need (EXIF, GPS, XMP, comments, trailers:
-jpeg_without_metadata); any other photo is re-encoded (make_view). It is made
+less every byte that decoding does not need (EXIF, GPS, XMP, thumbnails,
+comments, trailers: jpeg_without_metadata); any other photo is re-encoded
+(make_view). It is made
 only when asked for (docs/DESIGN.md#the-view).
 """
 
@@ -258,13 +259,14 @@ def jpeg_as_view(data, image, stored_size, settings):
 
 # What a decoder needs, kept: quantisation and Huffman tables, restart interval, the frame
 # header of baseline, extended and progressive Huffman JPEGs (what every vision API reads),
-# JFIF's and Adobe's headers (Adobe's says how the colours were transformed).
+# Adobe's header (it says how the colours were transformed).
 _JPEG_TABLES = {0xDB, 0xC4, 0xDD}
 _JPEG_FRAMES = {0xC0, 0xC1, 0xC2}
-_JPEG_HEADERS = {0xE0: b"JFIF\0", 0xEE: b"Adobe"}
-# Left out: APP1-APP13 and APP15 (EXIF with GPS and the camera's serial, XMP, ICC profiles,
-# IPTC, makers' notes), comments, and anything after the end of the image (a phone's motion
-# video, depth maps). The view re-encoded by make_view has none of these either.
+_JPEG_HEADERS = {0xEE: b"Adobe"}
+# Left out: every other APPn (JFIF's with its thumbnail, which can show what a crop cut away;
+# EXIF with GPS and the camera's serial; XMP, ICC profiles, IPTC, makers' notes), comments,
+# and anything after the end of the image (a phone's motion video, depth maps). The view
+# re-encoded by make_view has none of these either.
 _JPEG_METADATA = set(range(0xE0, 0xF0)) | {0xFE}
 _SOS, _EOI = 0xDA, 0xD9
 _NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
