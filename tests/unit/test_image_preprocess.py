@@ -14,8 +14,16 @@ from PIL import Image, ImageFile
 from tools.model_config import read as read_model_config
 from tools.reference import PHOTO_SECRETS, bad_images, jpeg_with_metadata, png_with_header_size, reference_pixels
 
-from image_decode import (ConfigError, ImagePreprocessor, InvalidImage, PreprocessSettings, decode_items,
-                          jpeg_without_metadata, parse_settings, wants_view)
+from image_decode import (
+    ConfigError,
+    ImagePreprocessor,
+    InvalidImage,
+    PreprocessSettings,
+    decode_items,
+    jpeg_without_metadata,
+    parse_settings,
+    wants_view,
+)
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
