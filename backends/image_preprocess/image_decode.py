@@ -12,8 +12,7 @@ alpha flattened on white, long side at most view_max_side, JPEG of at most
 view_max_bytes. A client's JPEG that is all of that already is sent as it came,
 less every byte that decoding does not need (EXIF, GPS, XMP, thumbnails,
 comments, trailers: jpeg_without_metadata); any other photo is re-encoded
-(make_view). It is made
-only when asked for (docs/DESIGN.md#the-view).
+(make_view). It is made only when asked for (docs/DESIGN.md#the-view).
 """
 
 import dataclasses
@@ -182,18 +181,15 @@ class ImagePreprocessor:
 
 
 def _upright(image):
-    """A loaded image turned as its EXIF orientation says; the same object when it is upright
-    already (in place: no copy of the pixels), a new one otherwise."""
+    """A loaded image turned as its EXIF orientation says: the same object when it is upright
+    already (no copy of the pixels, which exif_transpose would make), a new one otherwise."""
     try:
-        turned = ImageOps.exif_transpose(image, in_place=False) if _orientation(image) != 1 else None
+        # What exif_transpose reads (EXIF, or XMP's tiff:Orientation); 1 is upright.
+        if image.getexif().get(ExifTags.Base.Orientation, 1) == 1:
+            return image
+        return ImageOps.exif_transpose(image)
     except (OSError, SyntaxError, ValueError) as error:
         raise InvalidImage(f"IMAGE {image.format} metadata cannot be read: {error}") from None
-    return image if turned is None else turned
-
-
-def _orientation(image):
-    # What exif_transpose reads (EXIF, or XMP's tiff:Orientation); 1 is upright.
-    return image.getexif().get(ExifTags.Base.Orientation, 1)
 
 
 def wants_view(declared, requested_names, view_name):
@@ -259,16 +255,18 @@ def jpeg_as_view(data, image, stored_size, settings):
 
 # What a decoder needs, kept: quantisation and Huffman tables, restart interval, the frame
 # header of baseline, extended and progressive Huffman JPEGs (what every vision API reads),
-# Adobe's header (it says how the colours were transformed).
+# Adobe's APP14 header (it says how the colours were transformed).
 _JPEG_TABLES = {0xDB, 0xC4, 0xDD}
 _JPEG_FRAMES = {0xC0, 0xC1, 0xC2}
-_JPEG_HEADERS = {0xEE: b"Adobe"}
+_APP14, _ADOBE = 0xEE, b"Adobe"
 # Left out: every other APPn (JFIF's with its thumbnail, which can show what a crop cut away;
 # EXIF with GPS and the camera's serial; XMP, ICC profiles, IPTC, makers' notes), comments,
 # and anything after the end of the image (a phone's motion video, depth maps). The view
 # re-encoded by make_view has none of these either.
 _JPEG_METADATA = set(range(0xE0, 0xF0)) | {0xFE}
 _SOS, _EOI = 0xDA, 0xD9
+# Where a scan's entropy-coded data ends: the next marker that is not a stuffed 0xFF00 or a
+# restart marker (the last 0xFF before its code, fill bytes before it staying in the scan).
 _NEXT_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7\xff])")
 
 
@@ -288,42 +286,34 @@ def jpeg_without_metadata(data):
         if pos >= end:
             return None
         code = data[pos]
-        pos += 1
+        pos += 1  # data[pos - 2] is the marker's last 0xFF, data[pos - 1] its code
         if code == _EOI:
-            return b"".join(out) + b"\xff\xd9" if frame else None
+            out.append(b"\xff\xd9")
+            return b"".join(out) if frame else None
         if pos + 2 > end:
             return None
         length = int.from_bytes(data[pos:pos + 2], "big")
         segment_end = pos + length
         if length < 2 or segment_end > end:
             return None
-        payload = data[pos + 2:segment_end]
         if code == _SOS:
-            scan_end = _jpeg_scan_end(data, segment_end)
+            scan_end = _NEXT_MARKER.search(data, segment_end)
             if scan_end is None or not frame:
                 return None
-            out.append(b"\xff\xda" + data[pos:scan_end])
-            pos = scan_end
+            out.append(data[pos - 2:scan_end.start()])
+            pos = scan_end.start()
             continue
         if code in _JPEG_FRAMES:
-            if frame or length < 8 or payload[0] != 8:  # one frame, 8-bit samples
+            if frame or length < 8 or data[pos + 2] != 8:  # one frame, 8-bit samples
                 return None
             frame = keep = True
         else:
-            keep = code in _JPEG_TABLES or (code in _JPEG_HEADERS and payload.startswith(_JPEG_HEADERS[code]))
+            keep = code in _JPEG_TABLES or (code == _APP14 and data.startswith(_ADOBE, pos + 2, segment_end))
             if not keep and code not in _JPEG_METADATA:  # arithmetic, lossless, hierarchical, unknown
                 return None
         if keep:
-            out.append(bytes((0xFF, code)) + data[pos:segment_end])
+            out.append(data[pos - 2:segment_end])
         pos = segment_end
-
-
-def _jpeg_scan_end(data, pos):
-    """Where a scan's entropy-coded data ends: the next marker that is not a stuffed 0xFF00 or a
-    restart marker (the last 0xFF before its code, fill bytes before it staying in the scan).
-    None when the file ends first."""
-    found = _NEXT_MARKER.search(data, pos)
-    return None if found is None else found.start()
 
 
 def _flatten_on_white(image):

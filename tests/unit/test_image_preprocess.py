@@ -11,6 +11,7 @@ import pytest
 from backend_model import load_model
 from PIL import Image, ImageFile
 
+from tools.fake_openai.server import METADATA_KEYS
 from tools.model_config import read as read_model_config
 from tools.reference import PHOTO_SECRETS, bad_images, jpeg_with_metadata, png_with_header_size, reference_pixels
 
@@ -469,9 +470,6 @@ def test_the_view_fits_its_byte_bound():
     noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (700, 700, 3), dtype=np.uint8))
     image, view = view_of(encode(noise, "PNG"), view_max_bytes=40000)
     assert len(view) <= 40000 and image.width == image.height  # lower quality, then smaller: aspect kept
-
-
-METADATA_KEYS = ("exif", "xmp", "icc_profile", "comment", "photoshop")
 
 
 def assert_no_metadata(view):
