@@ -20,6 +20,8 @@ minute); `answered_per_s_by_5s` shows the whole phase, cold start included.
   client-http-proxy  classify_describe.AsyncClient(retries=), HTTP through the proxy
   openai-front       the openai SDK (its own retries honour Retry-After; on its aiohttp
                      client, `--sdk-http`) to the front
+  openai-front-expect  the same with default_headers={"Expect": "100-continue"}, README's policy
+                     for SDK users of the front (on the aiohttp client a refusal costs no body)
   backoff-front      C users with the clients' back-off (Retry-After honoured) to the front
   backoff-front-expect  the same, each request with Expect: 100-continue (a refusal costs no body)
 
@@ -238,7 +240,7 @@ def generator_argv(argv, nice):
     return ["nice", "-n", str(nice), *argv] if nice else list(argv)
 
 
-def python_phase_of(client, url, image_path, args):
+def python_phase_of(client, url, image_path, args, expect=False):
     """drive(users, seconds) for a Python client's users (tools/overload_users.py:
     one client shared by all users, in a process of its own at
     --generator-nice); its figures as c_phase's, latencies including retries."""
@@ -246,6 +248,7 @@ def python_phase_of(client, url, image_path, args):
         argv = [sys.executable, "-m", "tools.overload_users", client, url, str(image_path), str(users),
                 str(seconds), "--timeout-s", str(args.timeout_s), "--retries", str(args.client_retries),
                 "--backoff-s", str(args.backoff_s), "--warmup-s", str(args.warmup_s), "--sdk-http", args.sdk_http]
+        argv += ["--expect"] if expect else []
         done = subprocess.run(generator_argv(argv, args.generator_nice), cwd=REPO, check=True,
                               stdout=subprocess.PIPE, text=True,
                               timeout=args.warmup_s + seconds + args.timeout_s + 120)
@@ -307,6 +310,8 @@ KINDS = {
     "client-http-proxy": dict(path="nginx shed proxy -> Triton HTTP",
                               client="classify_describe.AsyncClient(retries=)", judged=0.8),
     "openai-front": dict(path="OpenAI front -> Triton gRPC", client="openai SDK (max_retries=)", judged=0.8),
+    "openai-front-expect": dict(path="OpenAI front -> Triton gRPC",
+                                client="openai SDK (max_retries=), Expect: 100-continue", judged=0.8),
     # The same policy as the SDK (Retry-After) from a generator that costs the shared cores little:
     # 1,280 SDK users in one Python process are themselves a bottleneck on 2 cores.
     "backoff-front": dict(path="OpenAI front -> Triton gRPC", client="C generator, back-off + jitter + Retry-After",
@@ -352,8 +357,8 @@ class Stack:
         def front():  # the front's host:port
             return self.openai_base_url.split("//", 1)[1].split("/", 1)[0]
 
-        def py(client, url):
-            return lambda: python_phase_of(client, url, self.image_path, args)
+        def py(client, url, expect=False):
+            return lambda: python_phase_of(client, url, self.image_path, args, expect)
 
         return {
             # The saturation point: back-off users without the throttle, which in a short cold
@@ -367,6 +372,7 @@ class Stack:
             "client-grpc": py("grpc", self.grpc_url),
             "client-http-proxy": py("http", self.proxy_url),
             "openai-front": py("openai", self.openai_base_url),
+            "openai-front-expect": py("openai", self.openai_base_url, expect=True),
             "backoff-front": lambda: c(front(), args.backoff_s, openai=True),
             "backoff-front-expect": lambda: c(front(), args.backoff_s, openai=True, expect=True),
         }[kind]()

@@ -133,7 +133,7 @@ def project_client(url, protocol, image, timeout_s, retries, backoff_s):
     return make
 
 
-def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohttp"):
+def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohttp", expect=False):
     """The openai SDK against the front: its own retries, which honour
     Retry-After. One AsyncOpenAI (one connection pool, sized for the users)
     for all users, on `http`: "aiohttp", the SDK's DefaultAioHttpClient (the
@@ -150,7 +150,10 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohtt
     its body; the SDK retries those with its own back-off, not the front's
     Retry-After), with "no_answer_reasons" (exception name -> count).
     `transport`: the one under the count, for tests (default: `http`'s own,
-    pooled for the users).
+    pooled for the users). `expect`: every request says `Expect:
+    100-continue` (the SDK's `default_headers`), the policy README gives SDK
+    users of the front: on the aiohttp client the body then waits for 100
+    Continue, so a refusal costs no body (httpx sends it anyway).
 
     Each request is the very body `chat.completions.create` would send (the
     same bytes; tests/unit/test_overload_users.py), but encoded once: create
@@ -171,7 +174,8 @@ def openai_sdk(base_url, image, timeout_s, retries, transport=None, http="aiohtt
         counting = CountingTransport(inner, refusals_of_request)
         http_client = (openai.DefaultAioHttpClient if aio else openai.DefaultAsyncHttpxClient)(transport=counting)
         client = openai.AsyncOpenAI(base_url=base_url, api_key="sk-overload-unused", max_retries=retries,
-                                    timeout=timeout_s, http_client=http_client)
+                                    timeout=timeout_s, http_client=http_client,
+                                    default_headers={"Expect": "100-continue"} if expect else None)
         tag = f"{random.getrandbits(32):08x}"
 
         async def request(number):
@@ -259,10 +263,11 @@ def main(argv=None):
     parser.add_argument("--backoff-s", type=float, default=0.5)
     parser.add_argument("--warmup-s", type=float, default=0.0, help="seconds before the measured SECONDS")
     parser.add_argument("--sdk-http", choices=("aiohttp", "httpx"), default="aiohttp")
+    parser.add_argument("--expect", action="store_true", help="openai: each request with Expect: 100-continue")
     args = parser.parse_args(argv)
     image = args.image.read_bytes()  # once: every user sends the same photo
     if args.client == "openai":
-        make = openai_sdk(args.url, image, args.timeout_s, args.retries, http=args.sdk_http)
+        make = openai_sdk(args.url, image, args.timeout_s, args.retries, http=args.sdk_http, expect=args.expect)
     else:
         make = project_client(args.url, args.client, image, args.timeout_s, args.retries, args.backoff_s)
     print(json.dumps(python_kind_phase(make, args.users, args.seconds, args.warmup_s)))

@@ -280,3 +280,79 @@ def test_the_c_generators_expect_mode_against_the_front_is_refused_then_served_a
     refused, served = asyncio.run(main())
     assert refused["lost"] == 0 and refused["admitted"] == 0 and refused["rejected"] >= 1, refused["lost_by_reason"]
     assert served["lost"] == 0 and served["admitted"] >= 1, served["lost_by_reason"]
+
+
+async def relay_counting(port):
+    """A TCP relay to 127.0.0.1:`port` that counts what clients send through it:
+    (server, [bytes sent, per connection])."""
+    sent = []
+
+    async def pipe(reader, writer, count=None):
+        try:
+            while chunk := await reader.read(65536):
+                if count is not None:
+                    sent[count] += len(chunk)
+                writer.write(chunk)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def accept(client_reader, client_writer):
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", port)
+        sent.append(0)
+        await asyncio.gather(pipe(client_reader, server_writer, len(sent) - 1), pipe(server_reader, client_writer))
+
+    return await asyncio.start_server(accept, "127.0.0.1", 0), sent
+
+
+def test_the_openai_sdk_with_the_expect_header_is_refused_without_sending_its_body_then_served():
+    """README's policy for openai SDK users of the front: DefaultAioHttpClient and
+    default_headers={"Expect": "100-continue"}. Refused while the slot is held, the
+    SDK sends its headers only (not the 150 KB body) and gets the 503 with Retry-After;
+    the slot free, the same client sends its body after 100 Continue and is answered.
+    Without the header the refused SDK sends the whole body (what the header saves)."""
+    import openai
+
+    pool = AnsweringPool()
+    pool.stall = True
+    app = front_with(pool, max_requests_in_flight=1)
+    request = body(text="What is it? " + "x" * 150_000)
+
+    async def main():
+        async with await serving(app) as server:
+            relay, sent = await relay_counting(server.port)
+            base_url = f"http://127.0.0.1:{relay.sockets[0].getsockname()[1]}/v1"
+
+            def sdk(headers):
+                return openai.AsyncOpenAI(base_url=base_url, api_key="k", max_retries=0, timeout=SOCKET_TIMEOUT_S,
+                                          http_client=openai.DefaultAioHttpClient(), default_headers=headers)
+
+            async def refused(client):
+                before = len(sent)
+                with pytest.raises(openai.APIStatusError) as error:
+                    await client.chat.completions.create(**request)
+                await asyncio.sleep(0.2)  # what the client still sends after its answer reaches the relay
+                return error.value.status_code, error.value.response.headers.get("Retry-After"), sum(sent[before:])
+
+            expecting, plain = sdk({"Expect": "100-continue"}), sdk(None)
+            holder = await hold_the_slot(server, pool)
+            try:
+                with_expect = await refused(expecting)
+                without = await refused(plain)
+            finally:
+                holder.close()
+            await until(lambda: app[front_app.ADMISSION].now == 0, "the holder left: its slot is free")
+            pool.stall = False
+            answer = await expecting.chat.completions.create(**request)
+            for client in (expecting, plain):
+                await client.close()
+            relay.close()
+            return with_expect, without, answer
+
+    (status, retry_after, sent_refused), (_, _, sent_plain), answer = asyncio.run(main())
+    assert status == 503 and retry_after
+    assert sent_refused < 4096, f"the refused SDK sent {sent_refused} bytes: its body went too"
+    assert sent_plain > 150_000
+    assert answer.choices[0].message.content

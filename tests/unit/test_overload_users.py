@@ -274,3 +274,25 @@ def test_the_project_clients_counts_split_server_refusals_from_its_own():
         counts = asyncio.run(run())
     assert counts["throttled"] >= 20 and counts["throttled"] + len(seen) == 60
     assert counts["rejected"] == 0  # retries=0: nothing resent
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_the_expect_kind_says_expect_100_continue_and_sends_the_same_body(expect):
+    """openai-front-expect's users: the same request as openai-front's, with the header."""
+    sent = []
+
+    def handler(request):
+        sent.append(request)
+        return httpx2.Response(200, json=ANSWER)
+
+    make = overload_users.openai_sdk("http://front.invalid/v1", b"photo", timeout_s=5, retries=0,
+                                     transport=httpx2.MockTransport(handler), expect=expect)
+
+    async def main():
+        request, _, close = make(1)
+        await request(3)
+        await close()
+    asyncio.run(main())
+    assert sent[0].headers.get("Expect") == ("100-continue" if expect else None)
+    assert json.loads(sent[0].content)["messages"][0]["content"][1]["image_url"]["url"].endswith(
+        base64.b64encode(b"photo").decode())
