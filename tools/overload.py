@@ -310,6 +310,7 @@ KINDS = {
     "client-http-proxy": dict(path="nginx shed proxy -> Triton HTTP",
                               client="classify_describe.AsyncClient(retries=)", judged=0.8),
     "openai-front": dict(path="OpenAI front -> Triton gRPC", client="openai SDK (max_retries=)", judged=0.8),
+    # README's policy for SDK users of the front: its aiohttp client with the Expect header.
     "openai-front-expect": dict(path="OpenAI front -> Triton gRPC",
                                 client="openai SDK (max_retries=), Expect: 100-continue", judged=0.8),
     # The same policy as the SDK (Retry-After) from a generator that costs the shared cores little:
@@ -318,7 +319,7 @@ KINDS = {
                           judged=0.8),
     # The same with Expect: 100-continue, as the policy asks of clients sending large bodies: a refusal
     # then costs no body. Beside backoff-front, which keeps measuring what the front's drain of refused
-    # bodies costs (the openai SDK and httpx cannot send Expect).
+    # bodies costs (as the openai SDK does by default: httpx sends the body at once, header or not).
     "backoff-front-expect": dict(path="OpenAI front -> Triton gRPC",
                                  client="C generator, back-off + jitter + Retry-After, Expect: 100-continue",
                                  judged=0.8),
