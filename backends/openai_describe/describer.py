@@ -18,6 +18,7 @@ import openai
 from openai.types.chat import ChatCompletion
 
 from accounting import Usage, cost_usd, finish_reason_of, tokens_from
+from chat_endpoint import ChatEndpoint
 from llm_cache import LRUCache, cache_key
 from prompting import build_messages, fallback_description
 from request_id import HEADER
@@ -155,10 +156,8 @@ class WholeAnswer:
     async def attempt(self, timeout):
         """One chat completion, bounded by `timeout`: (its text, its finish_reason)."""
         c = self.call
-        # The SDK's generic post() with the typed ChatCompletion result: same
-        # auth, errors and parsing as chat.completions.create(), without its
-        # per-call TypedDict transform of the body (about 1 ms of CPU per call
-        # here, on the path of every request).
+        # ChatEndpoint.post: the SDK's signature and errors, one aiohttp POST
+        # (the SDK's own post() cost 5x its CPU: chat_endpoint.py).
         response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options=c.job.options(timeout),
                                               body=c.job.body(c.messages)), timeout)
         c.bill(getattr(response, "usage", None))  # an answer we cannot use is billed all the same
@@ -581,17 +580,21 @@ def _answer_text(response):
 
 
 def make_client(settings, api_key):
-    """One AsyncOpenAI client for the model's lifetime, with a connection pool
-    as large as the concurrency cap, and no SDK retries: ours are explicit.
+    """The upstream's client for the model's lifetime (chat_endpoint.ChatEndpoint:
+    a whole answer over aiohttp directly, a stream through the SDK), with a
+    connection pool as large as the concurrency cap, and no SDK retries: ours
+    are explicit.
 
-    The SDK's aiohttp transport, not its default httpx2 pool: measured here,
+    The SDK on its aiohttp transport, not its default httpx2 pool: measured here,
     600 concurrent 1 s calls took 7 s through the httpx2 pool and 2 s through
     aiohttp (docs/benchmarks.md)."""
+    connect_s = min(5.0, settings.timeout_s)
     http_client = openai.DefaultAioHttpClient(
         limits=httpx2.Limits(max_connections=settings.max_in_flight,
                              max_keepalive_connections=settings.max_in_flight),
-        timeout=httpx2.Timeout(settings.timeout_s, connect=min(5.0, settings.timeout_s)),
+        timeout=httpx2.Timeout(settings.timeout_s, connect=connect_s),
         event_hooks={"response": [_bound_body(response_bytes_limit(settings))]},
     )
-    return openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
-                              timeout=settings.timeout_s, http_client=http_client)
+    sdk = openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
+                             timeout=settings.timeout_s, http_client=http_client)
+    return ChatEndpoint(sdk, settings.max_in_flight, connect_s, response_bytes_limit(settings))

@@ -1,0 +1,104 @@
+"""The describe step's client of the chat-completions endpoint: a whole answer
+as one aiohttp POST, a streamed one through the openai SDK.
+
+Why not the SDK for both: its post() spent about 2 ms of CPU per call on a
+2-core AMD EPYC (its httpx layer over aiohttp, the request builder, pydantic
+models of the answer), 5x a plain aiohttp POST with orjson
+(docs/benchmarks-method.md#the-describe-steps-http-client), and it is on the
+path of every ensemble request. The whole answer is small and its format
+fixed, so it is read here; a stream keeps the SDK's SSE parsing and chunk
+types. Both send the same request (the SDK's own headers, its key among
+them) and fail the same way: a status error is the SDK's own exception,
+built by the SDK from the response, a connection failure or a timeout its
+APIConnectionError or APITimeoutError, so the describer classifies one as
+it does the other (Describer.classify_failure).
+"""
+
+import types
+
+import aiohttp
+import httpx2
+import openai
+import orjson
+
+from resilience import AnswerTooLarge
+
+# httpx's keep-alive expiry, which the SDK's aiohttp pool uses too.
+KEEPALIVE_S = 5.0
+
+
+class ChatEndpoint:
+    """post() as the SDK's AsyncOpenAI.post, for the two calls the describe step makes."""
+
+    def __init__(self, sdk, max_connections, connect_timeout_s, max_response_bytes):
+        self.sdk = sdk
+        self.url = str(sdk.base_url).rstrip("/") + "/chat/completions"
+        # What the SDK sends with every request: its key, User-Agent and platform headers (less
+        # those it omits: an Omit value).
+        self.headers = {name: value for name, value in {**sdk.default_headers, **sdk.auth_headers}.items()
+                        if isinstance(value, str)}
+        self.max_connections, self.connect_timeout_s = max_connections, connect_timeout_s
+        self.max_response_bytes = max_response_bytes
+        self.session = None  # made in the loop that uses it, on the first call
+
+    def post(self, path, *, cast_to, options, body, stream=False, stream_cls=None):
+        if stream:
+            return self.sdk.post(path, cast_to=cast_to, options=options, body=body, stream=True,
+                                 stream_cls=stream_cls)
+        return self._whole_answer(options, body)
+
+    async def close(self):
+        if self.session is not None:
+            await self.session.close()
+        await self.sdk.close()
+
+    async def _whole_answer(self, options, body):
+        """The chat completion, as attribute access (what the readers of an SDK object use)."""
+        timeout = aiohttp.ClientTimeout(total=options["timeout"], connect=self.connect_timeout_s)
+        try:
+            async with self._session().post(self.url, data=orjson.dumps(body), timeout=timeout,
+                                            headers={**self.headers, **options.get("headers", {})}) as response:
+                raw = await _read_at_most(response.content, self.max_response_bytes)
+                if response.status >= 400:
+                    raise self._status_error(response, raw)
+        except TimeoutError as exc:
+            raise openai.APITimeoutError(request=self._request()) from exc
+        except aiohttp.ClientError as exc:
+            raise openai.APIConnectionError(request=self._request()) from exc
+        return _attributes(orjson.loads(raw))
+
+    def _session(self):
+        if self.session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S,
+                                             ssl=httpx2.create_ssl_context())
+            self.session = aiohttp.ClientSession(connector=connector)
+        return self.session
+
+    def _request(self):
+        return httpx2.Request("POST", self.url)
+
+    def _status_error(self, response, raw):
+        """The SDK's exception for this answer (RateLimitError for a 429, ...), message and body as it makes them."""
+        answer = httpx2.Response(response.status, headers=list(response.headers.items()), content=raw,
+                                 request=self._request())
+        return self.sdk._make_status_error_from_response(answer)
+
+
+async def _read_at_most(content, limit):
+    """The body, refused with AnswerTooLarge before reading past `limit` bytes."""
+    chunks, size = [], 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"the upstream's response passed {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _attributes(value):
+    """JSON objects as namespaces: answer.choices[0].message.content, as on the SDK's models."""
+    if isinstance(value, dict):
+        return types.SimpleNamespace(**{key: _attributes(item) for key, item in value.items()})
+    if isinstance(value, list):
+        return [_attributes(item) for item in value]
+    return value
