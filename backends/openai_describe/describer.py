@@ -588,13 +588,13 @@ def make_client(settings, api_key):
     The SDK on its aiohttp transport, not its default httpx2 pool: measured here,
     600 concurrent 1 s calls took 7 s through the httpx2 pool and 2 s through
     aiohttp (docs/benchmarks.md)."""
-    connect_s = min(5.0, settings.timeout_s)
+    connect_s, max_response_bytes = min(5.0, settings.timeout_s), response_bytes_limit(settings)
     http_client = openai.DefaultAioHttpClient(
         limits=httpx2.Limits(max_connections=settings.max_in_flight,
                              max_keepalive_connections=settings.max_in_flight),
         timeout=httpx2.Timeout(settings.timeout_s, connect=connect_s),
-        event_hooks={"response": [_bound_body(response_bytes_limit(settings))]},
+        event_hooks={"response": [_bound_body(max_response_bytes)]},
     )
     sdk = openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
                              timeout=settings.timeout_s, http_client=http_client)
-    return ChatEndpoint(sdk, settings.max_in_flight, connect_s, response_bytes_limit(settings))
+    return ChatEndpoint(sdk, settings.max_in_flight, connect_s, max_response_bytes)
