@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -70,14 +71,23 @@ def test_the_demo_classifies_describes_and_stops_its_server(tmp_path, llm):
     assert TEST_API_KEY not in run.stdout + run.stderr + log
 
 
+# A terminal's Ctrl-C finds SIGINT at its default action. A test run started in the background
+# of a script (`cmd &`, `nohup cmd &`) inherits SIGINT ignored, and bash can neither trap nor
+# reset a signal ignored when it started: the demo would then sleep through the Ctrl-C and
+# exit 0 (seen on 2026-12-03 under `(nohup bash .ci/run &)`). So the demo is exec'd with the
+# terminal's default restored, whatever the runner ignores.
+AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def test_ctrl_c_stops_the_server_it_started(tmp_path, llm):
     """Ctrl-C reaches the terminal's whole process group: the demo, its client
     and the server. The demo's trap still stops the server and waits for it."""
     llm.admin("mode", {"mode": "ok", "latency_ms": 15000})  # a request stays in flight
     env = demo_env(tmp_path, llm)
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        demo = subprocess.Popen([str(DEMO)], cwd=tmp_path, env=env, stdout=out, stderr=err,
-                                start_new_session=True)
+        demo = subprocess.Popen([sys.executable, "-c", AS_FROM_A_TERMINAL, str(DEMO)], cwd=tmp_path, env=env,
+                                stdout=out, stderr=err, start_new_session=True)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while llm.admin("stats")["in_flight"] < 1:
