@@ -308,8 +308,8 @@ async def relay_counting(port):
 
 
 def test_the_openai_sdk_with_the_expect_header_is_refused_without_sending_its_body_then_served():
-    """README's policy for openai SDK users of the front: DefaultAioHttpClient and
-    default_headers={"Expect": "100-continue"}. Refused while the slot is held, the
+    """The openai SDK on DefaultAioHttpClient with default_headers={"Expect": "100-continue"}
+    (README: it works, but under overload it answered less; docs/reliability.md#overload). Refused while the slot is held, the
     SDK sends its headers only (not the 150 KB body) and gets the 503 with Retry-After;
     the slot free, the same client sends its body after 100 Continue and is answered.
     Without the header the refused SDK sends the whole body (what the header saves)."""
