@@ -76,7 +76,7 @@ import numpy as np
 
 from classify_describe import throttle  # and their adaptive throttle (backoff-bare)
 from classify_describe.client import backoff_s, queue_refused  # the clients' own back-off and refusals
-from tools import host
+from tools import host, process_cpu
 from tools.local_stack import FakeLLM, TritonServer
 from tools.nginx import ShedProxy
 
@@ -244,14 +244,14 @@ def python_phase_of(client, url, image_path, args, expect=False):
     """drive(users, seconds) for a Python client's users (tools/overload_users.py:
     one client shared by all users, in a process of its own at
     --generator-nice); its figures as c_phase's, latencies including retries."""
-    def drive(users, seconds):
+    def drive(users, seconds, warmup_s=args.warmup_s):
         argv = [sys.executable, "-m", "tools.overload_users", client, url, str(image_path), str(users),
                 str(seconds), "--timeout-s", str(args.timeout_s), "--retries", str(args.client_retries),
-                "--backoff-s", str(args.backoff_s), "--warmup-s", str(args.warmup_s), "--sdk-http", args.sdk_http]
+                "--backoff-s", str(args.backoff_s), "--warmup-s", str(warmup_s), "--sdk-http", args.sdk_http]
         argv += ["--expect"] if expect else []
         done = subprocess.run(generator_argv(argv, args.generator_nice), cwd=REPO, check=True,
                               stdout=subprocess.PIPE, text=True,
-                              timeout=args.warmup_s + seconds + args.timeout_s + 120)
+                              timeout=warmup_s + seconds + args.timeout_s + 120)
         return json.loads(done.stdout)
     return drive
 
@@ -350,7 +350,11 @@ class Stack:
         time.sleep(args.llm_latency_ms / 1000 + 0.5)
 
     def drive(self, kind, args):
-        """drive(users, seconds) -> a phase's figures, for one client kind."""
+        """drive(users, seconds[, warmup_s]) -> a phase's figures, for one client kind, with
+        the cores each process group used in its measured window (`cpu`, with_cpu)."""
+        return with_cpu(self._driver(kind, args), args.warmup_s)
+
+    def _driver(self, kind, args):
         def c(url, backoff, openai=False, throttle_k=0.0, expect=False):
             return lambda users, seconds, warmup_s=args.warmup_s: c_phase(
                 self.binary, url, self.image_path, users, seconds, args.timeout_s, backoff, openai,
@@ -378,6 +382,23 @@ class Stack:
             "backoff-front": lambda: c(front(), args.backoff_s, openai=True),
             "backoff-front-expect": lambda: c(front(), args.backoff_s, openai=True, expect=True),
         }[kind]()
+
+
+def with_cpu(drive, default_warmup_s):
+    """drive, its figures with "cpu": what the machine's cores did in the measured window
+    (tools/process_cpu.Window: the server's processes, the load generator's, idle), and
+    "server_cpu_ms_per_answer". On these 2 cores the load generator competes with the server:
+    a generator that takes more CPU leaves the server less to answer with, which the
+    answered/s alone would charge to the refusals (shares: share_of_cores_left)."""
+    def measured(users, seconds, warmup_s=default_warmup_s):
+        window = process_cpu.Window(warmup_s, seconds).start()
+        figures = drive(users, seconds, warmup_s=warmup_s)
+        cpu = window.result()
+        figures["cpu"] = cpu
+        if cpu and figures.get("admitted_per_s"):
+            figures["server_cpu_ms_per_answer"] = round(cpu["server_cores"] * 1000 / figures["admitted_per_s"], 1)
+        return figures
+    return measured
 
 
 def pending_requests(metrics_url):
@@ -451,7 +472,7 @@ def saturation_beside(stack, reference, users, args, where):
     return figures
 
 
-SATURATION_KEYS = ("admitted_per_s", "admitted_p99_ms", "lost", "lost_sample")
+SATURATION_KEYS = ("admitted_per_s", "admitted_p99_ms", "lost", "lost_sample", "cpu", "server_cpu_ms_per_answer")
 
 
 def shares(figures, saturation, before=None, after=None):
@@ -466,9 +487,38 @@ def shares(figures, saturation, before=None, after=None):
     out = {"share_of_first_saturation": share(saturation["admitted_per_s"]), "goodput_share": share(base)}
     if beside:
         out["saturation_beside_per_s"] = round(base, 1)
+        out.update(cpu_shares(figures, beside))
     for name, b in (("saturation_before", before), ("saturation_after", after)):
         if b is not None:
-            out[name] = {key: b[key] for key in SATURATION_KEYS}
+            out[name] = {key: b[key] for key in SATURATION_KEYS if key in b}
+    return out
+
+
+def cpu_shares(figures, beside):
+    """Where the phase's and the saturations' CPU windows were measured (with_cpu), the two
+    figures that tell the load generator's CPU from the refusals' cost:
+    - share_of_cores_left: answered/s per core the load generator left (the machine's cores
+      less the generator's), against the same of the saturations beside. The clients a
+      generator stands for run on machines of their own; on one host its CPU is taken from
+      the server's, and a generator of thousands of Python users takes far more of it than
+      the C users who measure saturation. Meaningful while the cores are busy (idle_cores
+      about 0) in both.
+    - server_cpu_share: the CPU per answer of the server's processes (tritonserver, stubs,
+      front, nginx) at saturation over the phase's: the share of the server's CPU that still
+      answers, whatever the generator took; what refusals cost the server itself."""
+    def per_core_left(p):
+        cpu = p.get("cpu")
+        return p["admitted_per_s"] / (cpu["machine_cores"] - cpu["generator_cores"]) if cpu else None
+
+    def ms(p):
+        return p.get("server_cpu_ms_per_answer")
+
+    out = {}
+    left = [per_core_left(b) for b in beside]
+    if per_core_left(figures) is not None and all(left):
+        out["share_of_cores_left"] = round(per_core_left(figures) / statistics.mean(left), 2)
+    if ms(figures) and all(ms(b) for b in beside):
+        out["server_cpu_share"] = round(statistics.mean(ms(b) for b in beside) / ms(figures), 2)
     return out
 
 
@@ -502,8 +552,8 @@ def table(saturation, phases):
     """The figures as docs/reliability.md#overload shows them (Markdown)."""
     rows = ["| client | path | overload | round | users | answered/s | saturation beside (answered/s, mean of before "
             "and after) | share of it | share of the first saturation | answer p50 | answer p99 | refused | lost "
-            "| load generator CPU |",
-            "| --- " * 14 + "|"]
+            "| load generator CPU | server cores | share per core the generator left | server CPU share |",
+            "| --- " * 17 + "|"]
     for p in [dict(saturation, client="C generator, back-off + jitter + Retry-After", path="Triton HTTP",
                    factor=1, goodput_share=1.0, share_of_first_saturation=1.0), *phases]:
         beside = p.get("saturation_beside_per_s", "")
@@ -511,7 +561,9 @@ def table(saturation, phases):
                     f"{p['admitted_per_s']} | "
                     f"{beside} | {p['goodput_share']} | {p.get('share_of_first_saturation', '')} | "
                     f"{_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
-                    f"{p['rejected']}{throttled_note(p)} | {p['lost']} | {p.get('load_generator_cpu_share', '')} |")
+                    f"{p['rejected']}{throttled_note(p)} | {p['lost']} | {p.get('load_generator_cpu_share', '')} | "
+                    f"{(p.get('cpu') or {}).get('server_cores', '')} | {p.get('share_of_cores_left', '')} | "
+                    f"{p.get('server_cpu_share', '')} |")
     return "\n".join(rows)
 
 

@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import sys
 import time
 
@@ -219,6 +220,7 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         self.attempts, self.rejected = 0, 0
         self.no_answer, self.retry_after = collections.Counter(), collections.Counter()
         self.refusals_before_answer = collections.Counter()  # kept by the caller
+        self.refused_by = collections.Counter()  # which of the server's limits refused (refusal_reason)
 
     async def handle_async_request(self, request):
         self.attempts += 1
@@ -230,6 +232,7 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         if response.status_code == 503:
             self.rejected += 1
             self.retry_after[response.headers.get("retry-after", "none")] += 1
+            self.refused_by[refusal_reason(await response.aread())] += 1
             if (refused := self.refusals.get()) is not None:
                 refused[0] += 1
         return response
@@ -241,7 +244,20 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         return {"attempts": self.attempts, "rejected": self.rejected,
                 "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer),
                 "retry_after_s": dict(sorted(self.retry_after.items(), key=lambda item: _number(item[0]))),
-                "refusals_before_answer": dict(sorted(self.refusals_before_answer.items()))}
+                "refusals_before_answer": dict(sorted(self.refusals_before_answer.items())),
+                "refused_by": dict(self.refused_by.most_common())}
+
+
+def refusal_reason(body):
+    """Which limit refused, from a 503's OpenAI error message: its first clause with the
+    numbers in it as N ("the front holds N requests already, as many as Triton takes now"),
+    so that the refusals split by limit (requests in flight, bodies being read, image bytes,
+    Triton's queue) without this generator knowing the front's wording."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return "not an OpenAI error"
+    return re.sub(r"\d+", "N", re.split(r"[;(]", message, maxsplit=1)[0]).strip()
 
 
 def _number(text):

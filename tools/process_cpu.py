@@ -19,6 +19,7 @@ The kernel's own time (loopback networking in softirq) belongs to no process:
 import argparse
 import json
 import os
+import threading
 import time
 
 from serving import procfs
@@ -59,6 +60,61 @@ def cores_used(before, after, seconds):
     for key, value in after.items():
         used[key[0]] = used.get(key[0], 0.0) + (value - before.get(key, 0.0)) / seconds
     return {name: round(cores, 3) for name, cores in sorted(used.items())}
+
+
+def machine_seconds():
+    """{"idle", "steal", "all"}: the machine's CPU seconds so far, all cores (/proc/stat's
+    first line; idle includes iowait, steal is time the hypervisor gave to other guests)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return {"idle": (idle + iowait) / hz, "steal": steal / hz,
+            "all": (user + nice + system + idle + iowait + irq + softirq + steal) / hz}
+
+
+SERVER_GROUPS = ("tritonserver", "openai_front", "nginx")  # and every stub:<model>
+GENERATOR_GROUPS = ("overload_client", "overload_users")
+
+
+class Window:
+    """The cores each group used within one window of a load, from `start_after_s` after
+    start() for `seconds`, sampled by a thread of its own so that a load run as one
+    subprocess (its warm-up and its measured window) is split where the window begins.
+
+    result(): {"cores": {group: cores}, "server_cores", "generator_cores", "idle_cores",
+    "steal_cores"} (server: tritonserver, its stubs, the front, nginx; generator: the load
+    generators), or None if the load ended before the window did."""
+
+    def __init__(self, start_after_s, seconds):
+        self.start_after_s, self.seconds = start_after_s, seconds
+        self.figures = None
+        self.thread = threading.Thread(target=self._sample, name="cpu-window", daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        time.sleep(self.start_after_s)
+        before, machine_before, at = cpu_seconds(), machine_seconds(), time.monotonic()
+        time.sleep(self.seconds)
+        after, machine_after, now = cpu_seconds(), machine_seconds(), time.monotonic()
+        self.figures = window_figures(before, after, machine_before, machine_after, now - at)
+
+    def result(self, timeout_s=5.0):
+        self.thread.join(timeout_s)
+        return self.figures
+
+
+def window_figures(before, after, machine_before, machine_after, seconds):
+    cores = cores_used(before, after, seconds)
+    machine = {key: (machine_after[key] - machine_before[key]) / seconds for key in machine_before}
+    return {"cores": cores,
+            "server_cores": round(sum(v for k, v in cores.items() if k in SERVER_GROUPS or k.startswith("stub:")), 3),
+            "generator_cores": round(sum(v for k, v in cores.items() if k in GENERATOR_GROUPS), 3),
+            "idle_cores": round(machine["idle"], 3), "steal_cores": round(machine["steal"], 3),
+            "machine_cores": round(machine["all"], 2)}
 
 
 def main(argv=None):

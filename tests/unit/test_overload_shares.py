@@ -3,7 +3,7 @@ and right after it, and the verdict judges each kind's median share over the rou
 
 from types import SimpleNamespace
 
-from tools import overload
+from tools import overload, process_cpu
 
 ARGS = SimpleNamespace(factors=[20], max_p99_ratio=3.0)
 
@@ -72,6 +72,7 @@ def test_the_tables_show_the_round_the_saturation_beside_and_the_median():
     first = dict(phase(50.0), users=128, rejected=0, admitted_p50_ms=900.0)
     row = overload.table(first, [kind(36.0, round_=2, before=phase(40.0), after=phase(44.0))]).splitlines()[-1]
     assert "| 20x | 2 | 2560 | 36.0 | 42.0 | 0.86 | 0.72 |" in row
+    assert row.count("|") == 18
     summary = overload.kinds_table(overload.by_kind([kind(30.0), kind(34.0, round_=2)])).splitlines()[-1]
     assert summary == "| client-grpc | 20x | 0.75, 0.85 | 0.8 | 0.8 | 0 |"
 
@@ -117,3 +118,38 @@ def test_the_knee_is_the_fewest_users_within_5_percent_of_the_best_mean():
     assert overload.knee(sweep) == 64  # 40.5 >= 0.95 * 42
     sweep.append({"users": 64, "admitted_per_s": 30.0})  # 64's mean falls to 37
     assert overload.knee(sweep) == 128
+
+
+def with_cpu(figures, server_cores, generator_cores, machine_cores=2.0):
+    cpu = {"server_cores": server_cores, "generator_cores": generator_cores, "machine_cores": machine_cores}
+    return dict(figures, cpu=cpu, server_cpu_ms_per_answer=round(server_cores * 1000 / figures["admitted_per_s"], 1))
+
+
+def test_the_cores_a_load_generator_takes_are_told_from_what_refusals_cost_the_server():
+    # Saturation: 50/s on 1.9 server cores, the C generator 0.05 core. The phase: 40/s (0.8),
+    # its Python generator 0.45 core, the server's 1.5 cores answering at saturation's CPU per answer.
+    saturation = with_cpu(phase(50.0), 1.9, 0.05)
+    shares = overload.shares(with_cpu(phase(40.0), 1.52, 0.45), saturation, saturation, saturation)
+    assert shares["goodput_share"] == 0.8
+    assert shares["share_of_cores_left"] == round((40 / 1.55) / (50 / 1.95), 2) == 1.01
+    assert shares["server_cpu_share"] == 1.0  # 38 ms per answer in both
+    # Refusals that cost the server: the same 40/s with the generator's CPU as saturation's.
+    costly = overload.shares(with_cpu(phase(40.0), 1.9, 0.05), saturation, saturation, saturation)
+    assert costly["share_of_cores_left"] == 0.8 and costly["server_cpu_share"] == 0.8
+
+
+def test_without_cpu_windows_no_cpu_share_is_made_up():
+    shares = overload.shares(phase(40.0), phase(50.0), phase(50.0), with_cpu(phase(50.0), 1.9, 0.05))
+    assert "share_of_cores_left" not in shares and "server_cpu_share" not in shares
+
+
+def test_a_window_splits_the_cores_into_server_generator_and_idle():
+    before = {("tritonserver", "1"): 10.0, ("stub:describe", "2"): 5.0, ("openai_front", "3"): 1.0,
+              ("overload_users", "4"): 0.0, ("fake_openai", "5"): 2.0}
+    after = {("tritonserver", "1"): 12.0, ("stub:describe", "2"): 9.0, ("openai_front", "3"): 2.0,
+             ("overload_users", "4"): 1.5, ("fake_openai", "5"): 2.5, ("stub:classify_with_view", "6"): 3.0}
+    machine_before, machine_after = {"idle": 100.0, "steal": 1.0, "all": 200.0}, {"idle": 100.5, "steal": 1.5, "all": 220.0}
+    figures = process_cpu.window_figures(before, after, machine_before, machine_after, 10.0)
+    assert figures["server_cores"] == 1.0  # (2 + 4 + 1 + 3) / 10: a stub that started in the window counts from 0
+    assert figures["generator_cores"] == 0.15 and figures["cores"]["fake_openai"] == 0.05
+    assert figures["idle_cores"] == 0.05 and figures["steal_cores"] == 0.05 and figures["machine_cores"] == 2.0

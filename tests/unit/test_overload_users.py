@@ -127,7 +127,8 @@ def test_the_sdks_hidden_attempts_are_counted_refusals_and_no_answers_apart():
     answered, lost, counts = sdk_phase(handler)
     assert (answered, lost) == (2, [])
     assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1},
-                      "retry_after_s": {"0.01": 1}, "refusals_before_answer": {0: 1, 1: 1}}
+                      "retry_after_s": {"0.01": 1}, "refusals_before_answer": {0: 1, 1: 1},
+                      "refused_by": {"busy": 1}}
     assert attempts[0] == attempts[1] == attempts[2] != attempts[3]  # the SDK resent request 0 itself
 
 
@@ -142,7 +143,7 @@ def test_a_request_refused_past_the_sdks_retries_is_lost_and_each_refusal_counte
     assert answered == 0 and lost == ["InternalServerError", "InternalServerError"]
     assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {},
                       "retry_after_s": {"0.01": 2, "0.02": 1, "none": 1},  # by Retry-After, in order
-                      "refusals_before_answer": {}}
+                      "refusals_before_answer": {}, "refused_by": {"busy": 4}}
 
 
 def test_each_request_is_the_body_and_headers_chat_completions_create_sends():
@@ -296,3 +297,30 @@ def test_the_expect_kind_says_expect_100_continue_and_sends_the_same_body(expect
     assert sent[0].headers.get("Expect") == ("100-continue" if expect else None)
     assert json.loads(sent[0].content)["messages"][0]["content"][1]["image_url"]["url"].endswith(
         base64.b64encode(b"photo").decode())
+
+
+def test_refusals_are_split_by_the_limit_that_gave_them():
+    """The front's own messages, numbers as N; a 503 that is not an OpenAI error is named so."""
+    bodies = [
+        {"error": {"message": "the front holds 64 requests already, as many as Triton takes now (at most "
+                              "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT); retry after Retry-After seconds"}},
+        {"error": {"message": "the front holds 12 requests already, as many as Triton takes now (at most X)"}},
+        {"error": {"message": "the front is reading 16 request bodies already (OPENAI_FRONT_MAX_BODIES_IN_FLIGHT); "
+                              "retry after Retry-After seconds"}},
+        None,
+    ]
+    sent = iter(bodies)
+
+    def handler(request):
+        body = next(sent, "answer")
+        if body == "answer":
+            return httpx2.Response(200, json=ANSWER)
+        if body is None:
+            return httpx2.Response(503, headers={"Retry-After": "0.01"}, text="<html>Service Unavailable</html>")
+        return httpx2.Response(503, headers={"Retry-After": "0.01"}, json=body)
+
+    answered, lost, counts = sdk_phase(handler, retries=5)
+    assert (answered, lost) == (2, [])
+    assert counts["refused_by"] == {"the front holds N requests already, as many as Triton takes now": 2,
+                                    "the front is reading N request bodies already": 1,
+                                    "not an OpenAI error": 1}
