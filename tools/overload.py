@@ -70,6 +70,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -401,6 +402,68 @@ def with_cpu(drive, default_warmup_s):
     return measured
 
 
+FRONT_GAUGES = ("openai_front_admission_limit", "openai_front_in_flight")
+
+
+class GaugeSampler:
+    """The OpenAI front's admission limit and requests in flight, scraped from its /metrics
+    every `interval_s` by a thread of its own while a phase runs: how the limit it learns
+    from Triton moved (a limit cut below what keeps Triton busy leaves cores idle)."""
+
+    def __init__(self, url, interval_s=1.0):
+        self.url, self.interval_s = url, interval_s
+        self.samples = []  # (seconds since start, {gauge: value})
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="front-gauges", daemon=True)
+
+    def _run(self):
+        import urllib.request
+
+        started = time.monotonic()
+        while not self.stopped.wait(self.interval_s):
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue  # a scrape lost under load is a gap, not a failure of the phase
+            values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(FRONT_GAUGES)}
+            self.samples.append((time.monotonic() - started, values))
+
+    def by_5s(self):
+        """[{"t_s", gauge: mean}, ...] per 5 s of the phase, warm-up included."""
+        steps = collections.defaultdict(list)
+        for at, values in self.samples:
+            steps[int(at // 5)].append(values)
+        return [{"t_s": step * 5, **{g: round(statistics.mean(v.get(g, 0) for v in rows), 1) for g in FRONT_GAUGES}}
+                for step, rows in sorted(steps.items())]
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped.set()
+        self.thread.join(10)
+
+
+class NoGauges:
+    samples = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def front_gauges(stack, kind, interval_s=1.0):
+    """A GaugeSampler of the front for the kinds that go through it, else nothing."""
+    if not KINDS.get(kind, {}).get("path", "").startswith("OpenAI front") or not stack.openai_base_url:
+        return NoGauges()
+    return GaugeSampler(stack.openai_base_url.rsplit("/v1", 1)[0] + "/metrics", interval_s)
+
+
 def pending_requests(metrics_url):
     """Requests queued in Triton, all models (nv_inference_pending_request_count)."""
     import urllib.request
@@ -443,7 +506,10 @@ def run(stack, args):
                 log(f"{kind} at {factor}x ({users * factor} users), round {round_} of {args.rounds}")
                 stack.settle(args)
                 seen = stack.proxy.tally()
-                figures = stack.drive(kind, args)(users * factor, args.phase_s)
+                with front_gauges(stack, kind) as gauges:
+                    figures = stack.drive(kind, args)(users * factor, args.phase_s)
+                if gauges.samples:
+                    figures["front_by_5s"] = gauges.by_5s()
                 figures.update(kind=kind, factor=factor, round=round_, **KINDS[kind])
                 if "proxy" in kind:
                     figures["proxy_answers"] = stack.proxy.tally(since=seen)

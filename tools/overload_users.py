@@ -250,14 +250,15 @@ class CountingTransport(httpx2.AsyncBaseTransport):
 
 def refusal_reason(body):
     """Which limit refused, from a 503's OpenAI error message: its first clause with the
-    numbers in it as N ("the front holds N requests already, as many as Triton takes now"),
-    so that the refusals split by limit (requests in flight, bodies being read, image bytes,
-    Triton's queue) without this generator knowing the front's wording."""
+    numbers in it as N ("the front holds N requests already, as many as Triton takes now
+    (at most ...)", "the server is overloaded (<Triton's own reason>)"), so that the
+    refusals split by limit (requests in flight, bodies being read, image bytes, Triton's
+    queue) without this generator knowing the front's wording."""
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return "not an OpenAI error"
-    return re.sub(r"\d+", "N", re.split(r"[;(]", message, maxsplit=1)[0]).strip()
+    return re.sub(r"\d+", "N", message.split(";", 1)[0]).strip()[:160]
 
 
 def _number(text):

@@ -153,3 +153,37 @@ def test_a_window_splits_the_cores_into_server_generator_and_idle():
     assert figures["server_cores"] == 1.0  # (2 + 4 + 1 + 3) / 10: a stub that started in the window counts from 0
     assert figures["generator_cores"] == 0.15 and figures["cores"]["fake_openai"] == 0.05
     assert figures["idle_cores"] == 0.05 and figures["steal_cores"] == 0.05 and figures["machine_cores"] == 2.0
+
+
+def test_the_fronts_admission_limit_is_sampled_while_a_front_kind_runs():
+    import http.server
+    import threading
+    import time
+
+    limits = iter(range(40, 10, -1))
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (f"# HELP openai_front_admission_limit x\nopenai_front_admission_limit {next(limits)}.0\n"
+                    "openai_front_in_flight 12.0\nopenai_front_requests_total 3.0\n").encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        stack = SimpleNamespace(openai_base_url=f"http://127.0.0.1:{server.server_port}/v1")
+        assert isinstance(overload.front_gauges(stack, "backoff-bare"), overload.NoGauges)
+        with overload.front_gauges(stack, "openai-front", interval_s=0.02) as gauges:
+            time.sleep(0.3)
+    finally:
+        server.shutdown()
+    steps = gauges.by_5s()
+    assert len(steps) == 1 and steps[0]["t_s"] == 0 and steps[0]["openai_front_in_flight"] == 12.0
+    assert 10 < steps[0]["openai_front_admission_limit"] < 40  # the mean of falling values
+    assert all("openai_front_requests_total" not in values for _, values in gauges.samples)

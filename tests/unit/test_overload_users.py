@@ -321,6 +321,8 @@ def test_refusals_are_split_by_the_limit_that_gave_them():
 
     answered, lost, counts = sdk_phase(handler, retries=5)
     assert (answered, lost) == (2, [])
-    assert counts["refused_by"] == {"the front holds N requests already, as many as Triton takes now": 2,
-                                    "the front is reading N request bodies already": 1,
-                                    "not an OpenAI error": 1}
+    assert counts["refused_by"] == {
+        "the front holds N requests already, as many as Triton takes now (at most OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT)": 1,
+        "the front holds N requests already, as many as Triton takes now (at most X)": 1,
+        "the front is reading N request bodies already (OPENAI_FRONT_MAX_BODIES_IN_FLIGHT)": 1,
+        "not an OpenAI error": 1}
