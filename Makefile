@@ -56,6 +56,7 @@ help:
 	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
 	@echo "make bench-cpu      CPU per request by process and step vs in-process (~4 min; BENCH_CPU_ARGS=--compare K=V for an A/B)"
+	@echo "make bench-lone     a lone request's time by step, from Triton's trace at concurrency 1 (~1 min)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
 	@echo "make rehearse       two replicas behind nginx, one restarted under load"
@@ -198,6 +199,13 @@ bench-openai: build
 .PHONY: bench-cpu
 bench-cpu: build perf-analyzer
 	$(PY) -m tools.bench.cpu_profile --rounds 3 --seconds 10 --concurrency 8 --results $(BUILD)/bench/cpu/results.json $(BENCH_CPU_ARGS)
+
+# A lone request's time by step (tools/bench/lone_request.py): Triton's trace of every request at
+# concurrency 1, the ensemble's steps one after the other; about 1 minute.
+#   make bench-lone BENCH_LONE_ARGS="--model classify"
+.PHONY: bench-lone
+bench-lone: build perf-analyzer
+	$(PY) -m tools.bench.lone_request --results $(BUILD)/bench/lone-request.json $(BENCH_LONE_ARGS)
 
 # Streaming (tools/bench/streaming.py): time to labels vs classify, time to first token vs the
 # SDK direct, 500 concurrent streams, perf_analyzer --streaming; about 3 minutes.
