@@ -64,3 +64,17 @@ def test_other_failures_are_not_retried(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed to get model metadata"):
         harness.perf_analyzer("classify", "127.0.0.1:1", tmp_path / "in.json", 2, tmp_path)
     assert len(calls.read_text().split()) == 1
+
+
+def test_the_streaming_runs_retry_short_windows_too(tmp_path, monkeypatch):
+    """A CI run failed here: at concurrency 1 a 3 s window held one 1.2 s stream (exit 2)."""
+    from types import SimpleNamespace
+
+    from tools.bench import streaming
+
+    calls = stand_in(tmp_path, monkeypatch, failures=1, message=UNSTABLE)
+    monkeypatch.setattr(streaming, "PERF_ANALYZER", harness.PERF_ANALYZER)
+    result = streaming.perf_analyzer_streaming(SimpleNamespace(grpc_url="127.0.0.1:1"), tmp_path / "in.json", 1,
+                                               tmp_path, window_ms=3000)
+    assert calls.read_text().split() == ["3000", "6000"]
+    assert result["throughput"] == 42.5 and "--measurement-interval 6000" in result["command"]

@@ -128,24 +128,7 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
         command.append("--async")
     if timeout_s is None:
         timeout_s = 60 + (trials + 2) * window_ms / 1000 * 6
-    for attempt in range(3):
-        with open(log_path, "w") as log:
-            try:
-                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
-                break
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n"
-                                   f"{log_tail(log_path, 40)}") from None
-            except subprocess.CalledProcessError as exc:
-                # Windows too short for the load (a loaded machine, an oversubscribed tuning variant,
-                # a slow LLM): no request finished in one, or only one did, and perf_analyzer calls
-                # that unstable whatever -s says (one sample has no standard deviation). Twice as long.
-                if attempt < 2 and _window_too_short(pathlib.Path(log_path).read_text(errors="replace")):
-                    index = command.index("--measurement-interval") + 1
-                    command[index] = str(int(command[index]) * 2)
-                    continue
-                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n"
-                                   f"{log_tail(log_path, 40)}") from None
+    run_until_windows_hold(command, log_path, timeout_s)
     with open(csv_path) as handle:
         row = next(csv.DictReader(handle))
     us = lambda key: float(row[key]) / 1000.0  # noqa: E731
@@ -156,6 +139,30 @@ def perf_analyzer(model, url, input_data, concurrency, workdir, protocol="http",
         "server_compute_ms": us("Server Compute Input") + us("Server Compute Infer") + us("Server Compute Output"),
         "command": "perf_analyzer " + " ".join(_display(a) for a in command[1:]),
     }
+
+
+def run_until_windows_hold(command, log_path, timeout_s, attempts=3):
+    """Run a perf_analyzer `command` (time windows) to its end, its output in log_path.
+    Windows too short for the load (a loaded machine, an oversubscribed tuning variant,
+    a slow LLM, a stream that lasts a second): no request finished in one, or only one did,
+    and perf_analyzer calls that unstable whatever -s says (one sample has no standard
+    deviation): run again with windows twice as long. Any other failure raises at once.
+    `command` keeps the windows of the run that held."""
+    for attempt in range(attempts):
+        with open(log_path, "w") as log:
+            try:
+                subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=True)
+                return
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"perf_analyzer ran past {timeout_s:.0f}s: {' '.join(command)}\n"
+                                   f"{log_tail(log_path, 40)}") from None
+            except subprocess.CalledProcessError as exc:
+                if attempt < attempts - 1 and _window_too_short(pathlib.Path(log_path).read_text(errors="replace")):
+                    index = command.index("--measurement-interval") + 1
+                    command[index] = str(int(command[index]) * 2)
+                    continue
+                raise RuntimeError(f"perf_analyzer failed ({exc.returncode}): {' '.join(command)}\n"
+                                   f"{log_tail(log_path, 40)}") from None
 
 
 def _window_too_short(log_text):
