@@ -392,6 +392,16 @@ class Describer:
         """Wait for a slot under the concurrency cap (queueing, not failing)
         until the request's deadline; TimeoutError if none came. The holder
         gives it back with _release_slot()."""
+        if not self._slots.locked():
+            # A free slot (and none waiting: locked() counts waiters) is taken at once, without
+            # the polling task below: one task and two loop turns less on every request's path.
+            await self._slots.acquire()
+        else:
+            await self._wait_for_slot(deadline, is_cancelled)
+        self._in_flight += 1
+        self.observer.in_flight(self._in_flight)
+
+    async def _wait_for_slot(self, deadline, is_cancelled):
         self._queued += 1
         self.observer.queued(self._queued)
         try:
@@ -399,8 +409,6 @@ class Describer:
         finally:
             self._queued -= 1
             self.observer.queued(self._queued)
-        self._in_flight += 1
-        self.observer.in_flight(self._in_flight)
 
     def _release_slot(self):
         self._slots.release()
