@@ -20,18 +20,27 @@ answer, and the refusals (and the clients making them) eat the capacity they
 protect. Instead the front estimates how many clients wait to come back
 (Little's law over the last WINDOW_S: each refusal stands for one client away
 for the Retry-After it was given) and how many answers finish per second, and
-asks each refused client to come back after about waiting / (2 x finished per
-second): then about two attempts arrive for each slot that frees, enough to
-keep the slots full and few enough to cost little. Drawn at random around
-that mean (1 to 2 x mean), so clients refused together come back spread out.
+asks each refused client to come back after about waiting / finished per
+second: then about one client comes back for each slot that frees. Beside it
+comes a fresh attempt: the client just answered sends its next request, or a
+new one arrives. Two attempts per freed slot keep the slots full and cost one
+refusal per answer; counting only those coming back, as this did before,
+made three attempts per freed slot (3.2 measured through the front with the
+openai SDK at 20x; docs/reliability.md#overload). Drawn at random around that
+mean, so clients refused together come back spread out: from 1 s to twice the
+mean, and once the mean passes half the longest Retry-After from as far
+below the mean as the longest is above it, never narrower than MIN_SPREAD_S.
 Before the window holds an answer (a cold start, or answers slower than the
 window) the pace is taken as one answer per window, the least it could have
 seen: a lone refusal still gets 1 s, but a crowd arriving at once is spread
 at once. Answering every refusal with 1 s until the first answer brought a
 crowd of 2,432 refused clients back every second, each with its photo to
 send and to be read, for as long as the first answers took.
-The openai SDK waits as asked for a Retry-After of up to 120 s and does not
-retry at all past it; at most MAX_RETRY_AFTER_S - 1 is sent.
+The openai SDK pinned here waits as asked for a Retry-After of up to 120 s
+and does not retry at all past it; its earlier releases (and SDKs made the
+same way, anthropic's) wait as asked only up to 60 s and past it fall back to
+their own 0.5 to 8 s. At most LONGEST_RETRY_AFTER_S is sent, which all of
+them wait as asked.
 
 A refused client is still sending its body when its 503 goes out. Closing the
 connection on it would reset it (the kernel answers data sent to a closed
@@ -60,8 +69,9 @@ from .errors import FrontError, unavailable
 # /metrics are never shed.
 SHED_PATHS = frozenset({"/v1/chat/completions"})
 WINDOW_S = 10.0
-MAX_RETRY_AFTER_S = 60  # under the openai SDK's 120 s, past which it gives up instead of waiting
-ATTEMPTS_PER_FREED_SLOT = 2
+LONGEST_RETRY_AFTER_S = 59  # under 60 s, the most that every release of the openai SDK waits as asked
+RETURNS_PER_FREED_SLOT = 1  # clients coming back; the fresh attempt beside each makes two
+MIN_SPREAD_S = 20  # the narrowest range of Retry-Afters drawn from at the longest mean
 
 
 class PerSecond:
@@ -112,12 +122,14 @@ class RetryAfter:
         # Nothing finished yet: as if one answer had, the slowest pace the window can show.
         finished_per_s = max(self.finished.count(now), 1) / WINDOW_S
         waiting = self.refused_wait_s / WINDOW_S  # clients away at any moment (Little's law)
-        return min(max(waiting / (ATTEMPTS_PER_FREED_SLOT * finished_per_s), 1.0), MAX_RETRY_AFTER_S / 2)
+        longest_mean = LONGEST_RETRY_AFTER_S - MIN_SPREAD_S / 2
+        return min(max(waiting / (RETURNS_PER_FREED_SLOT * finished_per_s), 1.0), longest_mean)
 
     def refuse(self):
         """The whole seconds to send in Retry-After; counted as one more client away that long."""
         mean = self.mean_s()
-        seconds = self.rng.randint(1, max(1, round(2 * mean - 1)))
+        spread = min(mean - 1, LONGEST_RETRY_AFTER_S - mean)  # each side of the mean
+        seconds = self.rng.randint(round(mean - spread), round(mean + spread))
         now = self.clock()
         self.refused.append((now, seconds))
         self.refused_wait_s += seconds
