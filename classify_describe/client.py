@@ -133,7 +133,10 @@ def _request_error(error, module, timeout_s):
 
 
 BACKOFF_CAP_S = 5.0
-RETRY_AFTER_CAP_S = 30.0  # a server's Retry-After is honoured up to this
+# A server's Retry-After is honoured up to this: above the OpenAI front's longest (59 s), whose
+# spread a lower cap would undo (every wait past it cut to the same value brings the clients
+# refused in one burst back in one burst, as measured at 30 s: docs/reliability.md#overload).
+RETRY_AFTER_CAP_S = 60.0
 
 
 def backoff_s(base_s, attempt, retry_after_s=None):

@@ -6,7 +6,7 @@
  * "Exceeds maximum queue size" or "Request timeout expired", Triton's queue policy, or "in-flight limit",
  * the shedding proxy in deploy/nginx) it backs off as classify_describe's
  * clients do (exponential with full jitter, capped at 5 s; at least the
- * Retry-After, capped at 30 s) and sends again; with BACKOFF_MS 0 at once.
+ * Retry-After, capped at 60 s) and sends again; with BACKOFF_MS 0 at once.
  *
  * One thread, epoll: written in C so that the load generator is not the
  * bottleneck (the Python one was: 1,280 gRPC streams in one process on the
@@ -66,7 +66,7 @@
 #define SHED "in-flight limit" /* deploy/nginx/triton-shed.conf.template's refusal */
 #define FRONT_REFUSED "service_unavailable" /* openai_front's 503s */
 #define OPENAI_TAIL "\"}]}]}" /* after the prompt: closes the text part, content, message, messages, body */
-#define RETRY_AFTER_CAP_S 30.0
+#define RETRY_AFTER_CAP_S 60.0 /* classify_describe.client.RETRY_AFTER_CAP_S */
 #define PROMPT_FMT "What is it? (%08x-%010lu)"
 #define PROMPT_LEN 33 /* the format above, always this long */
 #define RECV_MAX (256 * 1024)

@@ -253,6 +253,17 @@ def test_backoff_honours_retry_after_and_caps_it(monkeypatch):
     assert client_module.backoff_s(0.5, 4, retry_after_s=1) == 5.0  # the jitter's longer wait wins
 
 
+def test_every_retry_after_the_front_sends_is_honoured_whole():
+    """A cap under the front's longest cuts its spread waits to one value: clients refused
+    in one burst came back in one burst (docs/reliability.md#overload). The C load
+    generator that stands for these clients in `make overload` caps the same."""
+    from openai_front.shedding import LONGEST_RETRY_AFTER_S
+    assert client_module.RETRY_AFTER_CAP_S >= LONGEST_RETRY_AFTER_S
+    c_source = (pathlib.Path(__file__).parents[2] / "tools/overload_client.c").read_text()
+    c_cap = re.search(r"#define RETRY_AFTER_CAP_S ([0-9.]+)", c_source).group(1)
+    assert float(c_cap) == client_module.RETRY_AFTER_CAP_S
+
+
 def test_the_clients_back_off_between_resends_with_growing_attempts(stand_in, monkeypatch):
     asked = []
     monkeypatch.setattr(client_module, "backoff_s", lambda base_s, attempt, retry_after_s=None:
