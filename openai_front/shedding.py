@@ -56,6 +56,7 @@ A client that sent `Expect: 100-continue` holds its body back instead
 import asyncio
 import collections
 import contextlib
+import math
 import random
 import time
 import types
@@ -150,8 +151,14 @@ class AdaptiveLimit:
       answers/s of the last WINDOW_S, times QUEUE_CUT_S): the queue then
       holds about QUEUE_CUT_S less than the 2 s that refused, whatever the
       LLM's latency (a cut by a fraction would starve a slow LLM and hardly
-      help behind a fast one). Requests passed on before the cut are old news: a burst of
-      refusals cuts once, not once each (TCP's one cut per window).
+      help behind a fast one). Requests passed on before the cut, or within
+      TRITON_QUEUE_LIMIT_S after it, are old news: a burst of refusals cuts
+      once, not once each (TCP's one cut per window, RFC 5681's recovery).
+      Those passed on just after the cut wait behind the queue that refused
+      and time out with it: counted as news, each cut brought the next, and
+      a burst of clients coming back together (a Retry-After echo) took the
+      limit from 345 to 14 within 5 s, the host then partly idle for 30 s
+      (docs/reliability.md#overload).
     - Then each answer adds CREEP_PER_ANSWER: the front passes on 5 % more
       than is answered, so the queue grows back to Triton's limit in about
       20 s and the next cut comes; a refusal every 20 s or so (0.6 % of the
@@ -169,6 +176,9 @@ class AdaptiveLimit:
     what Triton takes."""
 
     QUEUE_CUT_S = 1.0
+    # model_repository's queue time limit (default_timeout_microseconds): past it every request
+    # passed on before a cut has started or been refused, so a refusal is news again.
+    TRITON_QUEUE_LIMIT_S = 2.0
     CREEP_PER_ANSWER = 0.05
     PROBE_AFTER_S = 30.0
 
@@ -176,8 +186,8 @@ class AdaptiveLimit:
         self.ceiling, self.floor = ceiling, min(floor, ceiling)
         self.value = float(min(start, ceiling))
         self.clock = clock
-        self.cuts = 0  # the requests passed on since the last cut carry this number
-        self.ramping, self.last_cut = True, clock()
+        self.cuts = 0
+        self.ramping, self.last_cut = True, -math.inf
         self.answers = PerSecond()
 
     def allows(self, in_flight):
@@ -193,9 +203,9 @@ class AdaptiveLimit:
             self.ramping = True  # the LLM or the host may have changed: find the edge again
         self.value = min(self.value + (1 if self.ramping else self.CREEP_PER_ANSWER), self.ceiling)
 
-    def refused(self, passed_at_cut):
-        """Triton refused for load a request passed on when self.cuts was `passed_at_cut`."""
-        if passed_at_cut != self.cuts:
+    def refused(self, passed_at):
+        """Triton refused for load a request passed on at `passed_at` (self.clock's time)."""
+        if passed_at < self.last_cut + self.TRITON_QUEUE_LIMIT_S:
             return
         now = self.clock()
         self.value = max(self.value - max(1.0, self.answers.rate(now) * self.QUEUE_CUT_S), self.floor)
@@ -220,13 +230,13 @@ class Admission:
         limit was at Triton raises it. A request still sending its body, a
         failed stream or a client that left says nothing about what Triton takes."""
         outcome = types.SimpleNamespace(status=None)
-        passed_at_cut = self.limit.cuts
+        passed_at = self.limit.clock()
         self.at_triton += 1
         try:
             yield outcome
         except FrontError as error:
             if error.overload:
-                self.limit.refused(passed_at_cut)
+                self.limit.refused(passed_at)
             raise
         finally:
             at_triton, self.at_triton = self.at_triton, self.at_triton - 1

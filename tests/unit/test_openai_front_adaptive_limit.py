@@ -37,7 +37,7 @@ class FixedLimit(AdaptiveLimit):
     def answered(self, in_flight):
         pass
 
-    def refused(self, passed_at_cut):
+    def refused(self, passed_at):
         pass
 
 
@@ -58,9 +58,9 @@ def simulate(limit, llm_s, clients=2000, seconds=120.0, resend_s=(0.05, 0.5)):
     def start_next(now):
         nonlocal busy, refused_inside, in_flight
         while queue and busy < EXECUTORS:
-            enqueued, passed_at_cut = queue.popleft()
+            enqueued = queue.popleft()
             if now - enqueued > QUEUE_TIMEOUT_S:  # Triton: "Request timeout expired"
-                limit.refused(passed_at_cut)
+                limit.refused(enqueued)
                 in_flight -= 1
                 refused_inside += now > half
                 push(now + rng.uniform(*resend_s), "attempt")
@@ -77,12 +77,12 @@ def simulate(limit, llm_s, clients=2000, seconds=120.0, resend_s=(0.05, 0.5)):
             if not limit.allows(in_flight):
                 push(now + rng.uniform(*resend_s), "attempt")  # the front's refusal, from the headers
             elif len(queue) >= QUEUE_MAX:  # Triton: "Exceeds maximum queue size"
-                limit.refused(limit.cuts)
+                limit.refused(now)
                 refused_inside += now > half
                 push(now + rng.uniform(*resend_s), "attempt")
             else:
                 in_flight += 1
-                queue.append((now, limit.cuts))
+                queue.append(now)
                 start_next(now)
         elif kind == "executed":
             busy -= 1
@@ -119,9 +119,9 @@ def test_refusals_that_cut_by_a_fraction_would_cost_a_tenth_of_the_answers():
             if 2 * in_flight >= self.value:
                 self.value = min(self.value + 1, self.ceiling)
 
-        def refused(self, passed_at_cut):
-            if passed_at_cut == self.cuts:
-                self.value, self.cuts = max(self.value * 0.9, self.floor), self.cuts + 1
+        def refused(self, passed_at):
+            if passed_at >= self.last_cut:
+                self.value, self.last_cut = max(self.value * 0.9, self.floor), self.clock()
 
     _, wasted = simulate(Fraction(ceiling=1024), 1.0)
     assert wasted > 0.2
@@ -143,11 +143,17 @@ def test_a_refusal_cuts_a_second_of_answers_and_a_burst_cuts_once():
     clock = [0.0]
     limit = AdaptiveLimit(ceiling=1024, start=100, clock=lambda: clock[0])
     answers(limit, per_s=20, seconds=10, clock=clock)
-    passed = limit.cuts
+    passed = clock[0]
     for _ in range(50):  # all passed on before the first cut: the cut answered them all
         limit.refused(passed)
     assert limit.value == pytest.approx(80)
-    limit.refused(limit.cuts)  # one passed on after it: news
+    cut_at = clock[0]
+    answers(limit, per_s=20, seconds=AdaptiveLimit.TRITON_QUEUE_LIMIT_S + 1, clock=clock)
+    # Passed on just after the cut, they waited behind the queue that refused: old news too.
+    for passed in (cut_at, cut_at + 0.5, cut_at + AdaptiveLimit.TRITON_QUEUE_LIMIT_S - 0.01):
+        limit.refused(passed)
+    assert limit.value == pytest.approx(80)
+    limit.refused(cut_at + AdaptiveLimit.TRITON_QUEUE_LIMIT_S)  # past Triton's queue limit: news
     assert limit.value == pytest.approx(60)
 
 
@@ -158,7 +164,7 @@ def test_it_ramps_until_a_refusal_then_creeps_then_ramps_again_after_a_quiet_whi
     assert limit.value == 100  # under half in use: no evidence that more would be taken
     limit.answered(in_flight=50)
     assert limit.value == 101
-    limit.refused(limit.cuts)
+    limit.refused(clock[0])
     limit.answered(in_flight=100)
     assert limit.value == pytest.approx(100 + AdaptiveLimit.CREEP_PER_ANSWER)
     clock[0] += AdaptiveLimit.PROBE_AFTER_S + 1
@@ -167,12 +173,14 @@ def test_it_ramps_until_a_refusal_then_creeps_then_ramps_again_after_a_quiet_whi
 
 
 def test_the_floor_and_a_ceiling_under_it():
-    limit = AdaptiveLimit(ceiling=1024, start=10, floor=8)
+    clock = [0.0]
+    limit = AdaptiveLimit(ceiling=1024, start=10, floor=8, clock=lambda: clock[0])
     for _ in range(20):
-        limit.refused(limit.cuts)
+        clock[0] += AdaptiveLimit.TRITON_QUEUE_LIMIT_S
+        limit.refused(clock[0])
     assert limit.value == 8 and limit.allows(7) and not limit.allows(8)
     small = AdaptiveLimit(ceiling=1)  # OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT=1: exactly one, always
-    small.refused(small.cuts)
+    small.refused(0.0)
     assert small.allows(0) and not small.allows(1)
 
 
@@ -230,8 +238,8 @@ class RecordingLimit(AdaptiveLimit):
     def answered(self, in_flight):
         self.seen.append(("answered", in_flight))
 
-    def refused(self, passed_at_cut):
-        self.seen.append(("refused", passed_at_cut))
+    def refused(self, passed_at):
+        self.seen.append(("refused", passed_at))
 
 
 def test_only_successful_answers_and_refusals_for_load_reach_the_limit():
