@@ -28,7 +28,7 @@ refusal per answer; counting only those coming back, as this did before,
 made three attempts per freed slot (3.2 measured through the front with the
 openai SDK at 20x; docs/reliability.md#overload). Drawn at random around that
 mean, so clients refused together come back spread out: from 1 s to twice the
-mean, and once the mean passes half the longest Retry-After from as far
+mean less 1 s, and once the mean passes half the longest Retry-After from as far
 below the mean as the longest is above it, never narrower than MIN_SPREAD_S.
 Before the window holds an answer (a cold start, or answers slower than the
 window) the pace is taken as one answer per window, the least it could have
@@ -72,7 +72,7 @@ SHED_PATHS = frozenset({"/v1/chat/completions"})
 WINDOW_S = 10.0
 LONGEST_RETRY_AFTER_S = 59  # under 60 s, the most that every release of the openai SDK waits as asked
 RETURNS_PER_FREED_SLOT = 1  # clients coming back; the fresh attempt beside each makes two
-MIN_SPREAD_S = 20  # the narrowest range of Retry-Afters drawn from at the longest mean
+MIN_SPREAD_S = 20  # the narrowest range (its whole width) of Retry-Afters drawn from, at the longest mean
 
 
 class PerSecond:
@@ -176,8 +176,10 @@ class AdaptiveLimit:
     what Triton takes."""
 
     QUEUE_CUT_S = 1.0
-    # model_repository's queue time limit (default_timeout_microseconds): past it every request
-    # passed on before a cut has started or been refused, so a refusal is news again.
+    # model_repository's queue time limit (default_timeout_microseconds; a test holds them
+    # equal): past it every request passed on before a cut has left Triton's queues, so a
+    # refusal is news again. The describe step's refusal (its LLM queue full) is bounded by
+    # the LLM's latency instead; one cut per 2 s is still at most one per round trip there.
     TRITON_QUEUE_LIMIT_S = 2.0
     CREEP_PER_ANSWER = 0.05
     PROBE_AFTER_S = 30.0

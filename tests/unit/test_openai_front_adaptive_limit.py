@@ -27,7 +27,7 @@ from openai_front.shedding import AdaptiveLimit, ImageBytes
 from openai_front.triton import Answer, front_error
 
 EXECUTORS, EXECUTION_S = 2, 0.044  # 45 answers/s: the 2-core host's saturation
-QUEUE_MAX, QUEUE_TIMEOUT_S = 128, 2.0
+QUEUE_MAX, QUEUE_TIMEOUT_S = 128, AdaptiveLimit.TRITON_QUEUE_LIMIT_S
 CAPACITY = EXECUTORS / EXECUTION_S
 
 

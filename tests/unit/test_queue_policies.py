@@ -46,3 +46,12 @@ def test_every_admission_queue_refuses_past_a_count_and_a_time(name):
     assert 0 < policy.default_timeout_microseconds <= MAX_WAIT_US
     # A client may not ask for a longer wait than the server's (Triton takes only a shorter one anyway).
     assert not policy.allow_timeout_override
+
+
+def test_the_fronts_admission_limit_waits_out_the_longest_queue_after_a_cut():
+    """The front takes a refusal for news only once every request passed on before its
+    last cut has left Triton's queue (openai_front/shedding.py, AdaptiveLimit)."""
+    from openai_front.shedding import AdaptiveLimit
+    longest_us = max(config.dynamic_batching.default_queue_policy.default_timeout_microseconds
+                     for config in ADMISSION.values())
+    assert AdaptiveLimit.TRITON_QUEUE_LIMIT_S == longest_us / 1e6
