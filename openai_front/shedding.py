@@ -188,7 +188,7 @@ class AdaptiveLimit:
         self.ceiling, self.floor = ceiling, min(floor, ceiling)
         self.value = float(min(start, ceiling))
         self.clock = clock
-        self.cuts = 0
+        self.cuts = 0  # how many times the limit was cut
         self.ramping, self.last_cut = True, -math.inf
         self.answers = PerSecond()
 

@@ -362,6 +362,12 @@ def test_the_c_throttle_has_the_python_clients_defaults():
     assert overload.main.__module__ and throttle.DEFAULT_K == 2.0
 
 
+def test_the_c_users_honour_retry_after_as_the_python_clients_do():
+    from classify_describe import client
+
+    assert f"#define RETRY_AFTER_CAP_S {client.RETRY_AFTER_CAP_S} " in overload.C_SOURCE.read_text()
+
+
 @needs_cc
 def test_the_c_clients_throttle_lets_through_what_the_server_takes(tmp_path):
     # Half refused, half answered: requests stay about 2 x accepts, so (nearly) nothing is held back.
