@@ -24,6 +24,8 @@ SETTINGS, POOL, METRICS, FETCHER, BODIES, FETCHES, STREAMS = (
     web.AppKey(name, object) for name in ("settings", "pool", "metrics", "fetcher", "bodies", "fetches", "streams"))
 ADMISSION = web.AppKey("admission", Admission)
 IMAGES = web.AppKey("images", ImageBytes)
+QUEUE_LIMIT_READER = web.AppKey("queue_limit_reader", asyncio.Task)
+QUEUE_LIMIT_RETRY_S, QUEUE_LIMIT_REREAD_S = 1.0, 60.0
 # Bodies larger than this are parsed and decoded in a worker thread: a 20 MB
 # image takes about 20 ms, during which the loop would stall every open stream.
 # Smaller ones stay on the loop (at most about 1 ms): the hop to a thread and
@@ -79,6 +81,27 @@ async def _start(app):
     app[FETCHER] = None
     if settings.image_url_allowlist:
         app[FETCHER] = fetch.session(settings.remote_fetch_timeout_s, settings.image_url_allow_private)
+    app[QUEUE_LIMIT_READER] = asyncio.create_task(_read_queue_limit(app))
+
+
+async def _read_queue_limit(app):
+    """How long Triton may queue a request of ours (AdaptiveLimit.queue_limit_s), from the served
+    models' configs, read once Triton answers and again every QUEUE_LIMIT_REREAD_S (a model
+    reloaded with another config); until then the shipped configs' TRITON_QUEUE_LIMIT_S."""
+    limit, models = app[ADMISSION].limit, [name for m in app[SETTINGS].models for name in (m.ensemble, m.stream_model)]
+    said = None
+    while True:
+        longest = await app[POOL].longest_queue_time_s(models)
+        if longest is None:  # Triton not up yet, or a model not loaded: ask again soon
+            await asyncio.sleep(QUEUE_LIMIT_RETRY_S)
+            continue
+        chosen = longest or limit.TRITON_QUEUE_LIMIT_S  # no time limit at all: refusals are for a full queue, at once
+        if chosen != said:
+            said = chosen
+            log.info("Triton queues a request of ours at most %.3g s (the models' queue policies); "
+                     "refusals within it after a cut of the admission limit are old news", chosen)
+            limit.queue_limit_s = chosen
+        await asyncio.sleep(QUEUE_LIMIT_REREAD_S)
 
 
 async def _end_streams(app):
@@ -91,6 +114,7 @@ async def _end_streams(app):
 
 
 async def _stop(app):
+    app[QUEUE_LIMIT_READER].cancel()
     await app[POOL].close()
     if app[FETCHER] is not None:
         await app[FETCHER].close()

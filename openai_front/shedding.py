@@ -152,8 +152,8 @@ class AdaptiveLimit:
       holds about QUEUE_CUT_S less than the 2 s that refused, whatever the
       LLM's latency (a cut by a fraction would starve a slow LLM and hardly
       help behind a fast one). Requests passed on before the cut, or within
-      TRITON_QUEUE_LIMIT_S after it, are old news: a burst of refusals cuts
-      once, not once each (TCP's one cut per window, RFC 5681's recovery).
+      Triton's queue time limit after it, are old news: a burst of refusals
+      cuts once, not once each (TCP's one cut per window, RFC 5681's recovery).
       Those passed on just after the cut wait behind the queue that refused
       and time out with it: counted as news, each cut brought the next, and
       a burst of clients coming back together (a Retry-After echo) took the
@@ -176,10 +176,12 @@ class AdaptiveLimit:
     what Triton takes."""
 
     QUEUE_CUT_S = 1.0
-    # model_repository's queue time limit (default_timeout_microseconds; a test holds them
-    # equal): past it every request passed on before a cut has left Triton's queues, so a
-    # refusal is news again. The describe step's refusal (its LLM queue full) is bounded by
-    # the LLM's latency instead; one cut per 2 s is still at most one per round trip there.
+    # Triton's queue time limit (default_timeout_microseconds): past it every request passed
+    # on before a cut has left Triton's queues, so a refusal is news again. This default is
+    # model_repository's (a test holds them equal); the front reads the served models' own
+    # (queue_limit_s, app.py) once Triton answers. The describe step's refusal (its LLM queue
+    # full) is bounded by the LLM's latency instead; one cut per 2 s is still at most one per
+    # round trip there.
     TRITON_QUEUE_LIMIT_S = 2.0
     CREEP_PER_ANSWER = 0.05
     PROBE_AFTER_S = 30.0
@@ -190,6 +192,7 @@ class AdaptiveLimit:
         self.clock = clock
         self.cuts = 0  # how many times the limit was cut
         self.ramping, self.last_cut = True, -math.inf
+        self.queue_limit_s = self.TRITON_QUEUE_LIMIT_S
         self.answers = PerSecond()
 
     def allows(self, in_flight):
@@ -207,7 +210,7 @@ class AdaptiveLimit:
 
     def refused(self, passed_at):
         """Triton refused for load a request passed on at `passed_at` (self.clock's time)."""
-        if passed_at < self.last_cut + self.TRITON_QUEUE_LIMIT_S:
+        if passed_at < self.last_cut + self.queue_limit_s:
             return
         now = self.clock()
         self.value = max(self.value - max(1.0, self.answers.rate(now) * self.QUEUE_CUT_S), self.floor)

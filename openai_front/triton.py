@@ -73,6 +73,13 @@ def inputs_for(image, prompt):
     return tensors
 
 
+def queue_timeouts_us(config):
+    """A model's queue time limits (microseconds; 0 for a policy without one)."""
+    batching = config.dynamic_batching
+    policies = [batching.default_queue_policy, *batching.priority_queue_policy.values()]
+    return [0, *(policy.default_timeout_microseconds for policy in policies)]
+
+
 def build_request(model, image, prompt=None, parameters=None, request_id=""):
     """The ModelInferRequest, built here in the handler: an input that cannot
     be sent is that request's 400, never an error inside gRPC's request
@@ -210,6 +217,25 @@ class TritonPool:
 
     def _stub(self):
         return next(self._next)._client_stub
+
+    async def longest_queue_time_s(self, models):
+        """The longest a request may wait in a queue of Triton's behind `models` (seconds): the
+        largest default_timeout_microseconds of their queue policies and their ensembles'
+        steps', read from Triton's model configs; 0.0 where none has a time limit, None while
+        Triton cannot say (not up yet, a model not loaded)."""
+        longest, seen, todo = 0, set(), list(models)
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                config = (await next(self._next).get_model_config(name, client_timeout=2)).config
+            except (InferenceServerException, grpc.RpcError):
+                return None
+            longest = max(longest, *queue_timeouts_us(config))
+            todo.extend(step.model_name for step in config.ensemble_scheduling.step)
+        return longest / 1e6
 
     async def infer(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
         """metadata: more gRPC metadata for Triton (the client's trace context, trace_context.py)."""

@@ -483,6 +483,16 @@ def test_oversized_images_are_413_whether_the_uri_or_the_body_is_too_big(keyed_f
     assert status == 200
 
 
+def test_the_front_learns_tritons_queue_time_limit_from_the_served_models(keyed_front):
+    """The admission limit's recovery after a cut (openai_front/shedding.py) waits out the queue
+    time limit of the models behind the front: read from the real server's model configs, the
+    ensembles' steps included (the shipped 2 s)."""
+    deadline = time.monotonic() + 10
+    while "Triton queues a request of ours at most 2 s" not in keyed_front.log():
+        assert time.monotonic() < deadline, log_tail(keyed_front.log_path)
+        time.sleep(0.1)
+
+
 def test_triton_unavailable_is_503_with_retry_after(tmp_path, photos):
     dead = Front(tmp_path / "front.log", f"127.0.0.1:{free_port()}")
     try:

@@ -619,6 +619,9 @@ class StalledPool:
         await self._wait()
         yield None
 
+    async def longest_queue_time_s(self, models):
+        return None  # Triton cannot say: the front keeps its default
+
     async def close(self):
         pass
 

@@ -10,25 +10,30 @@ LLM's latency. Then the front itself, with Triton's own refusal texts."""
 import asyncio
 import collections
 import heapq
+import itertools
 import json
+import pathlib
 import random
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from test_openai_front import PNG, StalledPool, body, front_with
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from backends.openai_describe import error_contract as contract
 from openai_front import app as front_app
-from openai_front import settings
+from openai_front import settings, triton
 from openai_front.errors import FrontError
 from openai_front.shedding import AdaptiveLimit, ImageBytes
 from openai_front.triton import Answer, front_error
+from tools import model_config
 
 EXECUTORS, EXECUTION_S = 2, 0.044  # 45 answers/s: the 2-core host's saturation
 QUEUE_MAX, QUEUE_TIMEOUT_S = 128, AdaptiveLimit.TRITON_QUEUE_LIMIT_S
 CAPACITY = EXECUTORS / EXECUTION_S
+REPOSITORY = pathlib.Path(__file__).resolve().parents[2] / "model_repository"
 
 
 class FixedLimit(AdaptiveLimit):
@@ -398,3 +403,99 @@ def test_one_image_always_fits():
 def test_the_image_bytes_setting():
     assert settings.from_environ({}).max_image_bytes_in_flight == 512 * 1024 * 1024
     assert settings.from_environ({"OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT": "7"}).max_image_bytes_in_flight == 7
+
+
+@pytest.mark.parametrize("queue_limit_s", [0.5, AdaptiveLimit.TRITON_QUEUE_LIMIT_S, 5.0])
+def test_refusals_are_old_news_for_the_queue_time_limit_it_was_given(queue_limit_s):
+    clock = [0.0]
+    limit = AdaptiveLimit(ceiling=1024, start=100, clock=lambda: clock[0])
+    limit.queue_limit_s = queue_limit_s
+    answers(limit, per_s=20, seconds=10, clock=clock)
+    limit.refused(clock[0])
+    cut_at, value = clock[0], limit.value
+    clock[0] += queue_limit_s + 1
+    limit.refused(cut_at + queue_limit_s - 0.01)  # waited behind the queue that refused
+    assert limit.value == value
+    limit.refused(cut_at + queue_limit_s)
+    assert limit.value < value
+
+
+class ConfigClient:
+    """tritonclient.grpc.aio's get_model_config over the repository's configs, changed as told."""
+
+    def __init__(self, change=None, missing=()):
+        self.change, self.missing, self.asked = change or (lambda name, config: None), missing, []
+
+    async def get_model_config(self, name, client_timeout=None):
+        self.asked.append(name)
+        if name in self.missing:
+            raise InferenceServerException(f"Request for unknown model: '{name}' is not found")
+        config = model_config.read(REPOSITORY / name / "config.pbtxt")
+        self.change(name, config)
+        return service_pb2.ModelConfigResponse(config=config)
+
+
+def pool_asking(client):
+    pool = triton.TritonPool.__new__(triton.TritonPool)
+    pool._next = itertools.cycle([client])
+    return pool
+
+
+def timeout_of(name, seconds, priority=False):
+    def change(model, config):
+        if model == name:
+            policy = (config.dynamic_batching.priority_queue_policy[1] if priority
+                      else config.dynamic_batching.default_queue_policy)
+            policy.default_timeout_microseconds = int(seconds * 1e6)
+    return change
+
+
+def no_time_limits(model, config):
+    if config.HasField("dynamic_batching"):  # one of the scheduling choices: an ensemble has none
+        config.dynamic_batching.default_queue_policy.default_timeout_microseconds = 0
+
+
+FRONT_MODELS = ["classify_and_describe", "classify_and_describe_stream"]
+
+
+@pytest.mark.parametrize("client, expected", [
+    (ConfigClient(), AdaptiveLimit.TRITON_QUEUE_LIMIT_S),  # the shipped configs: the default agrees
+    (ConfigClient(timeout_of("classify_with_view", 5.0)), 5.0),  # a step of the ensemble
+    (ConfigClient(timeout_of("classify_with_view", 7.5, priority=True)), 7.5),  # a priority level's policy
+    (ConfigClient(no_time_limits), 0.0),
+    (ConfigClient(missing={"describe"}), None),  # not loaded (yet): Triton cannot say
+], ids=["shipped", "a step's", "a priority level's", "none", "not loaded"])
+def test_the_queue_time_limit_is_read_from_the_served_models_and_their_steps(client, expected):
+    assert asyncio.run(pool_asking(client).longest_queue_time_s(FRONT_MODELS)) == expected
+    if expected is not None:  # every model behind the front asked once, none twice
+        assert sorted(client.asked) == ["classify_and_describe", "classify_and_describe_stream",
+                                        "classify_with_view", "describe"]
+
+
+def test_the_front_takes_the_queue_time_limit_once_triton_says_it(monkeypatch):
+    monkeypatch.setattr(front_app, "QUEUE_LIMIT_RETRY_S", 0.01)
+    said = [None, None, 0.0, 5.0]  # Triton not up, then no time limit (the default stays), then 5 s
+
+    class SayingPool(StalledPool):
+        seen = []  # the front's queue time limit each time it asked
+
+        async def longest_queue_time_s(self, models):
+            self.models = models
+            self.seen.append(app[front_app.ADMISSION].limit.queue_limit_s)
+            return said.pop(0) if len(said) > 1 else said[0]
+
+    pool = SayingPool()
+    app = front_with(pool, triton_grpc_url="127.0.0.1:9")
+    monkeypatch.setattr(front_app, "QUEUE_LIMIT_REREAD_S", 0.01)
+
+    async def main():
+        async with TestServer(app, host="127.0.0.1"):
+            limit = app[front_app.ADMISSION].limit
+            for _ in range(500):
+                if limit.queue_limit_s == 5.0:
+                    break
+                await asyncio.sleep(0.01)
+            return limit.queue_limit_s, pool.models
+
+    assert asyncio.run(main()) == (5.0, FRONT_MODELS)
+    assert pool.seen[:4] == [AdaptiveLimit.TRITON_QUEUE_LIMIT_S] * 4  # "no time limit" kept the default
