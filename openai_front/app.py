@@ -87,20 +87,28 @@ async def _start(app):
 async def _read_queue_limit(app):
     """How long Triton may queue a request of ours (AdaptiveLimit.queue_limit_s), from the served
     models' configs, read once Triton answers and again every QUEUE_LIMIT_REREAD_S (a model
-    reloaded with another config); until then the shipped configs' TRITON_QUEUE_LIMIT_S."""
+    reloaded with another config); until then, and where no model sets one, the shipped
+    configs' TRITON_QUEUE_LIMIT_S. Each new outcome is logged once."""
     limit, models = app[ADMISSION].limit, [name for m in app[SETTINGS].models for name in (m.ensemble, m.stream_model)]
     said = None
     while True:
-        longest = await app[POOL].longest_queue_time_s(models)
-        if longest is None:  # Triton not up yet, or a model not loaded: ask again soon
+        try:
+            longest = await app[POOL].longest_queue_time_s(models)
+        except Exception as error:  # noqa: BLE001 - Triton not up yet, a model not loaded, or a bug: ask again
+            text = (f"Triton's queue time limit unknown, {limit.queue_limit_s:g} s kept: the served models' "
+                    f"configs could not be read ({type(error).__name__}: {str(error)[:200]})")
+            if text != said:
+                log.warning(text)
+                said = text
             await asyncio.sleep(QUEUE_LIMIT_RETRY_S)
             continue
-        chosen = longest or limit.TRITON_QUEUE_LIMIT_S  # no time limit at all: refusals are for a full queue, at once
-        if chosen != said:
-            said = chosen
-            log.info("Triton queues a request of ours at most %.3g s (the models' queue policies); "
-                     "refusals within it after a cut of the admission limit are old news", chosen)
-            limit.queue_limit_s = chosen
+        limit.queue_limit_s = longest or limit.TRITON_QUEUE_LIMIT_S
+        text = (f"Triton queues a request of ours at most {longest:.3g} s (the served models' queue policies, "
+                "along their steps)" if longest else
+                f"no queue time limit in the served models' configs: {limit.queue_limit_s:g} s kept")
+        if text != said:
+            log.info(text + "; refusals within it after a cut of the admission limit are old news")
+            said = text
         await asyncio.sleep(QUEUE_LIMIT_REREAD_S)
 
 
@@ -114,7 +122,8 @@ async def _end_streams(app):
 
 
 async def _stop(app):
-    app[QUEUE_LIMIT_READER].cancel()
+    if QUEUE_LIMIT_READER in app:
+        app[QUEUE_LIMIT_READER].cancel()
     await app[POOL].close()
     if app[FETCHER] is not None:
         await app[FETCHER].close()

@@ -12,7 +12,7 @@ import re
 import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferResult
+from tritonclient.grpc import InferResult, model_config_pb2
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
@@ -31,6 +31,9 @@ NO_VERSIONS = "has no available versions"                # Triton: loading or un
 QUEUE_FULL = "Exceeds maximum queue size"                # Triton: the queue is full (UNAVAILABLE)
 QUEUE_TIMEOUT = "Request timeout expired"                # Triton: waited its queue's time limit (UNAVAILABLE)
 SERVER_STOPPING = "Server is stopping"                   # Triton: shutting down (UNAVAILABLE)
+# The parameter by which a model of the describe backend names the model it calls (BLS): that
+# callee's queue is on the path of the caller's requests (classify_and_describe_stream).
+BLS_CALLEE = "classify_model"
 # The pipeline's inputs and parameters -> the request field they came from.
 REQUEST_FIELDS = {"IMAGE": "messages", "PROMPT": "messages", "conversation": "messages",
                   "response_format": "response_format", "temperature": "temperature", "max_tokens": "max_tokens"}
@@ -73,11 +76,13 @@ def inputs_for(image, prompt):
     return tensors
 
 
-def queue_timeouts_us(config):
-    """A model's queue time limits (microseconds; 0 for a policy without one)."""
+def queue_timeout_us(config):
+    """A model's queue time limit (microseconds): the longest of its policies that refuse on
+    timeout (REJECT; DELAY does not refuse), every priority level's; 0 without one."""
     batching = config.dynamic_batching
     policies = [batching.default_queue_policy, *batching.priority_queue_policy.values()]
-    return [0, *(policy.default_timeout_microseconds for policy in policies)]
+    return max([0, *(policy.default_timeout_microseconds for policy in policies
+                     if policy.timeout_action == model_config_pb2.ModelQueuePolicy.REJECT)])
 
 
 def build_request(model, image, prompt=None, parameters=None, request_id=""):
@@ -219,23 +224,28 @@ class TritonPool:
         return next(self._next)._client_stub
 
     async def longest_queue_time_s(self, models):
-        """The longest a request may wait in a queue of Triton's behind `models` (seconds): the
-        largest default_timeout_microseconds of their queue policies and their ensembles'
-        steps', read from Triton's model configs; 0.0 where none has a time limit, None while
-        Triton cannot say (not up yet, a model not loaded)."""
-        longest, seen, todo = 0, set(), list(models)
-        while todo:
-            name = todo.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            try:
-                config = (await next(self._next).get_model_config(name, client_timeout=2)).config
-            except (InferenceServerException, grpc.RpcError):
-                return None
-            longest = max(longest, *queue_timeouts_us(config))
-            todo.extend(step.model_name for step in config.ensemble_scheduling.step)
-        return longest / 1e6
+        """The longest a request of ours may wait in Triton's queues (seconds), read from the
+        served models' configs: along each model's path its own queue time limit plus those of
+        its ensemble's steps (summed: an upper bound where steps run side by side) and of its
+        BLS callee (BLS_CALLEE), the longest path of `models`; 0.0 where none has a time limit.
+        InferenceServerException while Triton cannot say (not up yet, a model not loaded)."""
+        configs = {}
+        try:
+            return max([await self._queue_time_us(name, configs) for name in models]) / 1e6
+        except grpc.RpcError as error:
+            raise InferenceServerException(msg=f"{type(error).__name__}: {error}") from None
+
+    async def _queue_time_us(self, name, configs, path=()):
+        if name in path:
+            return 0  # a BLS callee naming its caller: never loop
+        if name not in configs:
+            configs[name] = (await next(self._next).get_model_config(name, client_timeout=2)).config
+        config = configs[name]
+        callees = [step.model_name for step in config.ensemble_scheduling.step]
+        if BLS_CALLEE in config.parameters and config.parameters[BLS_CALLEE].string_value.strip():
+            callees.append(config.parameters[BLS_CALLEE].string_value.strip())
+        waits = [await self._queue_time_us(callee, configs, (*path, name)) for callee in callees]
+        return queue_timeout_us(config) + sum(waits)
 
     async def infer(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
         """metadata: more gRPC metadata for Triton (the client's trace context, trace_context.py)."""

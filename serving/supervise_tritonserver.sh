@@ -17,7 +17,8 @@
 # so loading a model (with file overrides: Python code that would run next to
 # the LLM key), the repository index, shared-memory registration, log and trace
 # settings need header `admin-key: <key>` (gRPC: `triton-grpc-protocol-admin-key`).
-# Health, metadata, model config and statistics stay open; inference too unless
+# Health, metadata, model config and statistics stay open (the OpenAI front reads
+# the models' queue time limits from model config); inference too unless
 # an inference key is given (below). The admin key, first found wins:
 #   TRITON_ADMIN_KEY_FILE       a file holding it (a mounted Kubernetes Secret);
 #                               a path that does not exist counts as unset (the

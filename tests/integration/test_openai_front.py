@@ -488,7 +488,7 @@ def test_the_front_learns_tritons_queue_time_limit_from_the_served_models(keyed_
     time limit of the models behind the front: read from the real server's model configs, the
     ensembles' steps included (the shipped 2 s)."""
     deadline = time.monotonic() + 10
-    while "Triton queues a request of ours at most 2 s" not in keyed_front.log():
+    while "Triton queues a request of ours at most 2 s (the served models' queue policies" not in keyed_front.log():
         assert time.monotonic() < deadline, log_tail(keyed_front.log_path)
         time.sleep(0.1)
 

@@ -620,7 +620,7 @@ class StalledPool:
         yield None
 
     async def longest_queue_time_s(self, models):
-        return None  # Triton cannot say: the front keeps its default
+        return 0.0  # no queue time limit: the front keeps its default
 
     async def close(self):
         pass

@@ -49,6 +49,9 @@ class RecordingPool:
     async def stream(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
         yield self._record("stream", model, image, prompt, parameters, request_id, metadata), "A coffee."
 
+    async def longest_queue_time_s(self, models):
+        return 0.0  # no queue time limit: the front keeps its default
+
     async def close(self):
         pass
 
