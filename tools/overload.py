@@ -227,6 +227,9 @@ def c_phase(binary, http_url, image_path, users, seconds, timeout_s, backoff_bas
     if throttle_k:
         figures["throttled"] = counts["throttled"]
     figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline(ends))
+    # Each line is one attempt: the answers' latencies are the answered attempts' (judge).
+    figures.update(answered_attempt_p50_ms=figures["admitted_p50_ms"],
+                   answered_attempt_p99_ms=figures["admitted_p99_ms"])
     figures["retried"] = retries
     # What the load generator cost the shared cores (1.0 = one core all the time).
     figures["load_generator_cpu_share"] = round((children_cpu_s() - cpu_before) / elapsed, 3)
@@ -312,7 +315,8 @@ KINDS = {
                               client="classify_describe.AsyncClient(retries=)", judged=0.8),
     "openai-front": dict(path="OpenAI front -> Triton gRPC", client="openai SDK (max_retries=)", judged=0.8),
     # The SDK on its aiohttp client with the Expect header: not judged, not the README's policy for
-    # the SDK since it answered less than without it (0.63 vs 0.77, p50 58.7 s; docs/reliability.md#overload).
+    # the SDK: it once answered less than without it (0.63 vs 0.77, p50 58.7 s), and since the
+    # admission limit's recovery as much (0.79 vs 0.78; docs/reliability.md#overload).
     "openai-front-expect": dict(path="OpenAI front -> Triton gRPC",
                                 client="openai SDK (max_retries=), Expect: 100-continue", judged=None),
     # The same policy as the SDK (Retry-After) from a generator that costs the shared cores little:
@@ -617,9 +621,10 @@ def _ms(value):
 def table(saturation, phases):
     """The figures as docs/reliability.md#overload shows them (Markdown)."""
     rows = ["| client | path | overload | round | users | answered/s | saturation beside (answered/s, mean of before "
-            "and after) | share of it | share of the first saturation | answer p50 | answer p99 | refused | lost "
+            "and after) | share of it | share of the first saturation | answer p50 | answer p99 "
+            "| answered attempt p99 | refused | lost "
             "| load generator CPU | server cores | share per core the generator left | server CPU share |",
-            "| --- " * 17 + "|"]
+            "| --- " * 18 + "|"]
     for p in [dict(saturation, client="C generator, back-off + jitter + Retry-After", path="Triton HTTP",
                    factor=1, goodput_share=1.0, share_of_first_saturation=1.0), *phases]:
         beside = p.get("saturation_beside_per_s", "")
@@ -627,7 +632,8 @@ def table(saturation, phases):
                     f"{p['admitted_per_s']} | "
                     f"{beside} | {p['goodput_share']} | {p.get('share_of_first_saturation', '')} | "
                     f"{_ms(p['admitted_p50_ms'])} | {_ms(p['admitted_p99_ms'])} | "
-                    f"{p['rejected']}{throttled_note(p)} | {p['lost']} | {p.get('load_generator_cpu_share', '')} | "
+                    f"{_ms(p.get('answered_attempt_p99_ms'))} | {p['rejected']}{throttled_note(p)} | {p['lost']} | "
+                    f"{p.get('load_generator_cpu_share', '')} | "
                     f"{(p.get('cpu') or {}).get('server_cores', '')} | {p.get('share_of_cores_left', '')} | "
                     f"{p.get('server_cpu_share', '')} |")
     return "\n".join(rows)
@@ -635,9 +641,11 @@ def table(saturation, phases):
 
 def judge(saturation, phases, args):
     """Targets (issue 23): per kind at the top factor (KINDS' judged), the median over the
-    rounds of its goodput share against the saturations beside it; admitted p99 within
-    --max-p99-ratio x the first saturation's for the C kinds that are judged (per attempt;
-    the Python clients' latencies include their retries: reported only); nothing lost by a
+    rounds of its goodput share against the saturations beside it; the answered attempts' p99
+    (answered_attempt_p99_ms: the C generator's, and the openai SDK's, timed by its transport;
+    classify_describe's retries are inside its call, so its latencies, retries' waits
+    included, are reported only) within --max-p99-ratio x the first saturation's for each
+    kind that is judged; nothing lost by a
     judged kind in any round, nor at any saturation."""
     if not saturation["admitted"]:
         return ["no request was answered at saturation"]
@@ -655,8 +663,8 @@ def judge(saturation, phases, args):
         after = p.get("saturation_after", {})
         if after.get("lost"):
             problems.append(f"saturation after {where}: {after['lost']} request(s) lost: {after['lost_sample']}")
-        if p["kind"] in ("resend-proxy", "backoff-bare") and p["admitted"]:
-            ratio = p["admitted_p99_ms"] / saturation["admitted_p99_ms"]
+        if need is not None and p["factor"] == top and p.get("answered_attempt_p99_ms") is not None:
+            ratio = p["answered_attempt_p99_ms"] / saturation["admitted_p99_ms"]
             if ratio > args.max_p99_ratio:
                 problems.append(f"{where}: admitted p99 {ratio:.2f}x saturation's (limit {args.max_p99_ratio}x)")
     for k in by_kind(phases):

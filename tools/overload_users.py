@@ -30,7 +30,7 @@ import time
 
 import httpx2
 
-from tools.overload import ENSEMBLE, summary, timeline
+from tools.overload import ENSEMBLE, percentile_ms, summary, timeline
 
 
 async def users_phase(request, users, seconds, clock=time.monotonic):
@@ -96,6 +96,12 @@ def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
     figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline([end for end, _ in answers]))
     # Over the measured window, as the C generator's refusals: "rejected", the resends
     # seen by the client (their latency is inside the answers').
+    # The SDK's answered attempts alone (its retries' waits are in the answers' latencies):
+    # what the target on admitted requests' latency judges.
+    attempts_s = counts.pop("answered_attempts_s", None)
+    if attempts_s is not None:
+        figures.update(answered_attempt_p50_ms=percentile_ms(attempts_s, 50),
+                       answered_attempt_p99_ms=percentile_ms(attempts_s, 99))
     figures.update(counts)
     # Over the phase as it lasted (a generator short of CPU ends late), as c_phase.
     figures["load_generator_cpu_share"] = round(cpu_s / elapsed_s, 3)
@@ -105,11 +111,16 @@ def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
 
 
 def counted_since(after, before):
-    """What a client counted since `before`, key by key (nested counts too)."""
+    """What a client counted since `before`, key by key (nested counts too; a list, which only
+    grows, by the items added since)."""
     if isinstance(after, dict):
-        return {key: counted_since(value, before.get(key, {} if isinstance(value, dict) else 0))
-                for key, value in after.items()}
+        return {key: counted_since(value, before.get(key, _EMPTY.get(type(value), 0))) for key, value in after.items()}
+    if isinstance(after, list):
+        return after[len(before):]
     return after - before
+
+
+_EMPTY = {dict: {}, list: []}
 
 
 def project_client(url, protocol, image, timeout_s, retries, backoff_s):
@@ -221,14 +232,18 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         self.no_answer, self.retry_after = collections.Counter(), collections.Counter()
         self.refusals_before_answer = collections.Counter()  # kept by the caller
         self.refused_by = collections.Counter()  # which of the server's limits refused (refusal_reason)
+        self.answered_s = []  # each answered (200) attempt's time to its answer's headers, s
 
     async def handle_async_request(self, request):
         self.attempts += 1
+        started = time.monotonic()
         try:
             response = await self.inner.handle_async_request(request)
         except Exception as error:
             self.no_answer[type(error).__name__] += 1
             raise
+        if response.status_code == 200:  # a whole answer's headers come with its body, at its end
+            self.answered_s.append(time.monotonic() - started)
         if response.status_code == 503:
             self.rejected += 1
             self.retry_after[response.headers.get("retry-after", "none")] += 1
@@ -245,7 +260,8 @@ class CountingTransport(httpx2.AsyncBaseTransport):
                 "no_answer": sum(self.no_answer.values()), "no_answer_reasons": dict(self.no_answer),
                 "retry_after_s": dict(sorted(self.retry_after.items(), key=lambda item: _number(item[0]))),
                 "refusals_before_answer": dict(sorted(self.refusals_before_answer.items())),
-                "refused_by": dict(self.refused_by.most_common())}
+                "refused_by": dict(self.refused_by.most_common()),
+                "answered_attempts_s": list(self.answered_s)}
 
 
 def refusal_reason(body):

@@ -72,7 +72,7 @@ def test_the_tables_show_the_round_the_saturation_beside_and_the_median():
     first = dict(phase(50.0), users=128, rejected=0, admitted_p50_ms=900.0)
     row = overload.table(first, [kind(36.0, round_=2, before=phase(40.0), after=phase(44.0))]).splitlines()[-1]
     assert "| 20x | 2 | 2560 | 36.0 | 42.0 | 0.86 | 0.72 |" in row
-    assert row.count("|") == 18
+    assert row.count("|") == 19
     summary = overload.kinds_table(overload.by_kind([kind(30.0), kind(34.0, round_=2)])).splitlines()[-1]
     assert summary == "| client-grpc | 20x | 0.75, 0.85 | 0.8 | 0.8 | 0 |"
 
@@ -187,3 +187,18 @@ def test_the_fronts_admission_limit_is_sampled_while_a_front_kind_runs():
     assert len(steps) == 1 and steps[0]["t_s"] == 0 and steps[0]["openai_front_in_flight"] == 12.0
     assert 10 < steps[0]["openai_front_admission_limit"] < 40  # the mean of falling values
     assert all("openai_front_requests_total" not in values for _, values in gauges.samples)
+
+
+def test_the_answered_attempts_p99_is_judged_for_every_judged_kind_that_has_it():
+    """Saturation's p99 is 3,000 ms: 3.2x fails a judged kind (the openai SDK's attempts, as a C
+    kind's), never an unjudged one; a kind whose latencies hold its retries has none to judge."""
+    slow = dict(answered_attempt_p99_ms=9600.0)
+    for name in ("openai-front", "backoff-front", "resend-proxy"):
+        figures = dict(kind(45.0, name=name), **slow)
+        assert overload.judge(phase(50.0), [figures], ARGS) == [
+            f"{name} at 20x: admitted p99 3.20x saturation's (limit 3.0x)"]
+    assert overload.judge(phase(50.0), [dict(kind(45.0, name="openai-front-expect"), **slow)], ARGS) == []
+    assert overload.judge(phase(50.0), [dict(kind(45.0), answered_attempt_p99_ms=None)], ARGS) == []
+    assert overload.judge(phase(50.0), [dict(kind(45.0, name="openai-front"), answered_attempt_p99_ms=8900.0)],
+                          ARGS) == []
+
