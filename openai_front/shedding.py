@@ -147,8 +147,9 @@ class AdaptiveLimit:
     - Ramp (at the start, and again after PROBE_AFTER_S without a refusal):
       each answer while at least half the limit is in use adds one, so the
       limit doubles every round trip, up to the first refusal.
-    - A refusal takes QUEUE_CUT_S worth of answers off the limit (the
-      answers/s of the last WINDOW_S, times QUEUE_CUT_S): the queue then
+    - A refusal takes QUEUE_CUT_S worth of answers off the limit, or off the
+      requests at Triton when it refused where they are fewer (the answers/s
+      of the last WINDOW_S, times QUEUE_CUT_S): the queue then
       holds about QUEUE_CUT_S less than the 2 s that refused, whatever the
       LLM's latency (a cut by a fraction would starve a slow LLM and hardly
       help behind a fast one). Requests passed on before the cut, or within
@@ -208,12 +209,20 @@ class AdaptiveLimit:
             self.ramping = True  # the LLM or the host may have changed: find the edge again
         self.value = min(self.value + (1 if self.ramping else self.CREEP_PER_ANSWER), self.ceiling)
 
-    def refused(self, passed_at):
-        """Triton refused for load a request passed on at `passed_at` (self.clock's time)."""
+    def refused(self, passed_at, in_flight=math.inf):
+        """Triton refused for load a request passed on at `passed_at` (self.clock's time) while
+        `in_flight` requests were at Triton. The cut is from those where fewer than the limit:
+        TCP's ssthresh is FlightSize / 2, not cwnd / 2 (RFC 5681, 3.1), since a window grown
+        while not in use says nothing of what the path holds. The limit grows while half of it
+        is in use: behind clients away for their Retry-Afters it rose from 196 to 302 with 166
+        in flight, the burst that came back got past it to Triton's queue, which refused 614
+        bodies already read in 30 s (docs/reliability.md#overload), and one cut from 302 still
+        let through about as many as Triton had held when it refused."""
         if passed_at < self.last_cut + self.queue_limit_s:
             return
         now = self.clock()
-        self.value = max(self.value - max(1.0, self.answers.rate(now) * self.QUEUE_CUT_S), self.floor)
+        cut = max(1.0, self.answers.rate(now) * self.QUEUE_CUT_S)
+        self.value = max(min(self.value, in_flight) - cut, self.floor)
         self.cuts += 1
         self.ramping, self.last_cut = False, now
 
@@ -241,7 +250,7 @@ class Admission:
             yield outcome
         except FrontError as error:
             if error.overload:
-                self.limit.refused(passed_at)
+                self.limit.refused(passed_at, self.at_triton)
             raise
         finally:
             at_triton, self.at_triton = self.at_triton, self.at_triton - 1

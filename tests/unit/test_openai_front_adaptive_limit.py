@@ -43,7 +43,7 @@ class FixedLimit(AdaptiveLimit):
     def answered(self, in_flight):
         pass
 
-    def refused(self, passed_at):
+    def refused(self, passed_at, in_flight=None):
         pass
 
 
@@ -66,7 +66,7 @@ def simulate(limit, llm_s, clients=2000, seconds=120.0, resend_s=(0.05, 0.5)):
         while queue and busy < EXECUTORS:
             enqueued = queue.popleft()
             if now - enqueued > QUEUE_TIMEOUT_S:  # Triton: "Request timeout expired"
-                limit.refused(enqueued)
+                limit.refused(enqueued, in_flight)
                 in_flight -= 1
                 refused_inside += now > half
                 push(now + rng.uniform(*resend_s), "attempt")
@@ -83,7 +83,7 @@ def simulate(limit, llm_s, clients=2000, seconds=120.0, resend_s=(0.05, 0.5)):
             if not limit.allows(in_flight):
                 push(now + rng.uniform(*resend_s), "attempt")  # the front's refusal, from the headers
             elif len(queue) >= QUEUE_MAX:  # Triton: "Exceeds maximum queue size"
-                limit.refused(now)
+                limit.refused(now, in_flight + 1)  # the refused one was at Triton too
                 refused_inside += now > half
                 push(now + rng.uniform(*resend_s), "attempt")
             else:
@@ -125,7 +125,7 @@ def test_refusals_that_cut_by_a_fraction_would_cost_a_tenth_of_the_answers():
             if 2 * in_flight >= self.value:
                 self.value = min(self.value + 1, self.ceiling)
 
-        def refused(self, passed_at):
+        def refused(self, passed_at, in_flight=None):
             if passed_at >= self.last_cut:
                 self.value, self.last_cut = max(self.value * 0.9, self.floor), self.clock()
 
@@ -161,6 +161,22 @@ def test_a_refusal_cuts_a_second_of_answers_and_a_burst_cuts_once():
     assert limit.value == pytest.approx(80)
     limit.refused(cut_at + AdaptiveLimit.TRITON_QUEUE_LIMIT_S)  # past Triton's queue limit: news
     assert limit.value == pytest.approx(60)
+
+
+def test_a_refusal_cuts_from_the_requests_at_triton_where_fewer_than_the_limit():
+    """RFC 5681's FlightSize, not cwnd: a limit grown while not in use (clients away for their
+    Retry-Afters) says nothing of what Triton holds; cut from it, the burst coming back would
+    still pass to Triton's full queue."""
+    clock = [0.0]
+    limit = AdaptiveLimit(ceiling=1024, start=300, clock=lambda: clock[0])
+    answers(limit, per_s=90, seconds=10, clock=clock)
+    limit.value = 300.0
+    limit.refused(clock[0], in_flight=221)
+    assert limit.value == pytest.approx(221 - 90, abs=1)
+    answers(limit, per_s=90, seconds=AdaptiveLimit.TRITON_QUEUE_LIMIT_S + 0.1, clock=clock)  # past the recovery
+    before = limit.value
+    limit.refused(clock[0], in_flight=400)  # more at Triton than the limit (it was just cut): from the limit
+    assert limit.value == pytest.approx(before - 90, abs=1)
 
 
 def test_it_ramps_until_a_refusal_then_creeps_then_ramps_again_after_a_quiet_while():
@@ -233,7 +249,7 @@ def test_the_front_cuts_on_tritons_refusals_for_load(message, cut):
 
     status, limit = asyncio.run(main())
     assert status == 503
-    assert (limit.value, limit.cuts) == ((63, 1) if cut else (64, 0))
+    assert (limit.value, limit.cuts) == ((8, 1) if cut else (64, 0))  # cut from the one at Triton: the floor
 
 
 class RecordingLimit(AdaptiveLimit):
@@ -244,8 +260,8 @@ class RecordingLimit(AdaptiveLimit):
     def answered(self, in_flight):
         self.seen.append(("answered", in_flight))
 
-    def refused(self, passed_at):
-        self.seen.append(("refused", passed_at))
+    def refused(self, passed_at, in_flight=None):
+        self.seen.append(("refused", in_flight))
 
 
 def test_only_successful_answers_and_refusals_for_load_reach_the_limit():
@@ -325,7 +341,7 @@ def exchange(pool, requests, stream=False, limit=None, **changes):
 def test_a_burst_of_refusals_through_the_front_cuts_once(stream):
     statuses, limit, admission = exchange(ScriptedPool("refuse"), 6, stream=stream)
     assert statuses == [503] * 6
-    assert (limit.cuts, limit.value) == (1, 63)  # no answers yet: the least cut, once
+    assert (limit.cuts, limit.value) == (1, 8)  # from the 6 at Triton, not the limit's 64: to the floor, once
     assert (admission.now, admission.at_triton) == (0, 0)
 
 
