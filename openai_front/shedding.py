@@ -147,12 +147,12 @@ class AdaptiveLimit:
     - Ramp (at the start, and again after PROBE_AFTER_S without a refusal):
       each answer while at least half the limit is in use adds one, so the
       limit doubles every round trip, up to the first refusal.
-    - A refusal takes QUEUE_CUT_S worth of answers off the limit, or off the
-      requests at Triton when it refused where they are fewer (the answers/s
-      of the last WINDOW_S, times QUEUE_CUT_S): the queue then
-      holds about QUEUE_CUT_S less than the 2 s that refused, whatever the
-      LLM's latency (a cut by a fraction would starve a slow LLM and hardly
-      help behind a fast one). Requests passed on before the cut, or within
+    - A refusal takes QUEUE_CUT_S worth of answers (the answers/s of the
+      last WINDOW_S, times QUEUE_CUT_S) off the limit, or off the requests
+      the front held when Triton refused where they are fewer, and at most
+      halves it: the queue then holds about QUEUE_CUT_S less than the 2 s
+      that refused, whatever the LLM's latency (a cut by a fraction alone
+      would starve a slow LLM and hardly help behind a fast one). Requests passed on before the cut, or within
       Triton's queue time limit after it, are old news: a burst of refusals
       cuts once, not once each (TCP's one cut per window, RFC 5681's recovery).
       Those passed on just after the cut wait behind the queue that refused
@@ -211,18 +211,21 @@ class AdaptiveLimit:
 
     def refused(self, passed_at, in_flight=math.inf):
         """Triton refused for load a request passed on at `passed_at` (self.clock's time) while
-        `in_flight` requests were at Triton. The cut is from those where fewer than the limit:
-        TCP's ssthresh is FlightSize / 2, not cwnd / 2 (RFC 5681, 3.1), since a window grown
-        while not in use says nothing of what the path holds. The limit grows while half of it
-        is in use: behind clients away for their Retry-Afters it rose from 196 to 302 with 166
-        in flight, the burst that came back got past it to Triton's queue, which refused 614
-        bodies already read in 30 s (docs/reliability.md#overload), and one cut from 302 still
-        let through about as many as Triton had held when it refused."""
+        the front held `in_flight` requests. The cut is from those where fewer than the limit,
+        as TCP's ssthresh is from FlightSize, not cwnd (RFC 5681, 3.1): a window grown while not
+        in use says nothing of what the path holds. The limit grows while half of it is in use:
+        behind clients away for their Retry-Afters it rose from 196 to 302 with 166 in flight,
+        the burst that came back got past it to Triton's queue, which refused 614 bodies already
+        read in 30 s (docs/reliability.md#overload), and one cut from 302 still let through
+        about as many as Triton had held when it refused. A cut at most halves the limit: with
+        few of the front's requests at Triton (clients reaching Triton's ports directly fill
+        its queues, or a queue shorter than a second of answers) the count less a second of
+        answers would be the floor, from which the creep takes minutes to climb back."""
         if passed_at < self.last_cut + self.queue_limit_s:
             return
         now = self.clock()
         cut = max(1.0, self.answers.rate(now) * self.QUEUE_CUT_S)
-        self.value = max(min(self.value, in_flight) - cut, self.floor)
+        self.value = max(min(self.value, in_flight) - cut, self.value / 2, self.floor)
         self.cuts += 1
         self.ramping, self.last_cut = False, now
 
@@ -250,7 +253,7 @@ class Admission:
             yield outcome
         except FrontError as error:
             if error.overload:
-                self.limit.refused(passed_at, self.at_triton)
+                self.limit.refused(passed_at, self.now)  # what the limit bounds: bodies still arriving too
             raise
         finally:
             at_triton, self.at_triton = self.at_triton, self.at_triton - 1

@@ -666,7 +666,8 @@ def judge(saturation, phases, args):
         if need is not None and p["factor"] == top and p.get("answered_attempt_p99_ms") is not None:
             ratio = p["answered_attempt_p99_ms"] / saturation["admitted_p99_ms"]
             if ratio > args.max_p99_ratio:
-                problems.append(f"{where}: admitted p99 {ratio:.2f}x saturation's (limit {args.max_p99_ratio}x)")
+                problems.append(f"{where}: answered attempts' p99 {ratio:.2f}x saturation's "
+                                f"(limit {args.max_p99_ratio}x)")
     for k in by_kind(phases):
         if k["factor"] == top and k["judged"] is not None and k["median_share"] < k["judged"]:
             rounds = f" (median of {', '.join(str(s) for s in k['shares'])})" if len(k["shares"]) > 1 else ""

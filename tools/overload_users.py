@@ -88,17 +88,23 @@ def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
             answers, lost = await users_phase(request, users, warmup_s + seconds)
         finally:
             await close()
-        return (answers, lost, counted_since(counts(), at_window), time.process_time() - cpu_before,
+        final = counts()
+        # (end, latency) pairs, kept by their end as the answers are (in_window): a timer of a
+        # generator short of CPU fires late, and the phase's end cancels late.
+        attempts = final.pop("answered_attempts", None)
+        at_window.pop("answered_attempts", None)
+        if attempts is not None:
+            attempts = in_window([(end - started, latency) for end, latency in attempts], warmup_s, seconds)
+        return (answers, lost, counted_since(final, at_window), attempts, time.process_time() - cpu_before,
                 time.monotonic() - started)
 
-    answers, lost, counts, cpu_s, elapsed_s = asyncio.run(main())
+    answers, lost, counts, attempts_s, cpu_s, elapsed_s = asyncio.run(main())
     figures = summary(users, seconds, in_window(answers, warmup_s, seconds), [], lost)
     figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline([end for end, _ in answers]))
     # Over the measured window, as the C generator's refusals: "rejected", the resends
     # seen by the client (their latency is inside the answers').
     # The SDK's answered attempts alone (its retries' waits are in the answers' latencies):
     # what the target on admitted requests' latency judges.
-    attempts_s = counts.pop("answered_attempts_s", None)
     if attempts_s is not None:
         figures.update(answered_attempt_p50_ms=percentile_ms(attempts_s, 50),
                        answered_attempt_p99_ms=percentile_ms(attempts_s, 99))
@@ -111,16 +117,11 @@ def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
 
 
 def counted_since(after, before):
-    """What a client counted since `before`, key by key (nested counts too; a list, which only
-    grows, by the items added since)."""
+    """What a client counted since `before`, key by key (nested counts too)."""
     if isinstance(after, dict):
-        return {key: counted_since(value, before.get(key, _EMPTY.get(type(value), 0))) for key, value in after.items()}
-    if isinstance(after, list):
-        return after[len(before):]
+        return {key: counted_since(value, before.get(key, {} if isinstance(value, dict) else 0))
+                for key, value in after.items()}
     return after - before
-
-
-_EMPTY = {dict: {}, list: []}
 
 
 def project_client(url, protocol, image, timeout_s, retries, backoff_s):
@@ -232,7 +233,7 @@ class CountingTransport(httpx2.AsyncBaseTransport):
         self.no_answer, self.retry_after = collections.Counter(), collections.Counter()
         self.refusals_before_answer = collections.Counter()  # kept by the caller
         self.refused_by = collections.Counter()  # which of the server's limits refused (refusal_reason)
-        self.answered_s = []  # each answered (200) attempt's time to its answer's headers, s
+        self.answered = []  # (end, latency) of each answered (200) attempt, to its answer's headers, s
 
     async def handle_async_request(self, request):
         self.attempts += 1
@@ -243,7 +244,8 @@ class CountingTransport(httpx2.AsyncBaseTransport):
             self.no_answer[type(error).__name__] += 1
             raise
         if response.status_code == 200:  # a whole answer's headers come with its body, at its end
-            self.answered_s.append(time.monotonic() - started)
+            ended = time.monotonic()
+            self.answered.append((ended, ended - started))
         if response.status_code == 503:
             self.rejected += 1
             self.retry_after[response.headers.get("retry-after", "none")] += 1
@@ -261,7 +263,7 @@ class CountingTransport(httpx2.AsyncBaseTransport):
                 "retry_after_s": dict(sorted(self.retry_after.items(), key=lambda item: _number(item[0]))),
                 "refusals_before_answer": dict(sorted(self.refusals_before_answer.items())),
                 "refused_by": dict(self.refused_by.most_common()),
-                "answered_attempts_s": list(self.answered_s)}
+                "answered_attempts": list(self.answered)}
 
 
 def refusal_reason(body):

@@ -163,20 +163,22 @@ def test_a_refusal_cuts_a_second_of_answers_and_a_burst_cuts_once():
     assert limit.value == pytest.approx(60)
 
 
-def test_a_refusal_cuts_from_the_requests_at_triton_where_fewer_than_the_limit():
+def test_a_refusal_cuts_from_the_requests_held_where_fewer_than_the_limit_and_at_most_halves_it():
     """RFC 5681's FlightSize, not cwnd: a limit grown while not in use (clients away for their
     Retry-Afters) says nothing of what Triton holds; cut from it, the burst coming back would
-    still pass to Triton's full queue."""
+    still pass to Triton's full queue. 40 answers/s: each cut is 40."""
     clock = [0.0]
     limit = AdaptiveLimit(ceiling=1024, start=300, clock=lambda: clock[0])
-    answers(limit, per_s=90, seconds=10, clock=clock)
+    answers(limit, per_s=40, seconds=10, clock=clock)
     limit.value = 300.0
-    limit.refused(clock[0], in_flight=221)
-    assert limit.value == pytest.approx(221 - 90, abs=1)
-    answers(limit, per_s=90, seconds=AdaptiveLimit.TRITON_QUEUE_LIMIT_S + 0.1, clock=clock)  # past the recovery
-    before = limit.value
-    limit.refused(clock[0], in_flight=400)  # more at Triton than the limit (it was just cut): from the limit
-    assert limit.value == pytest.approx(before - 90, abs=1)
+    limit.refused(clock[0], in_flight=250)
+    assert limit.value == pytest.approx(250 - 40, abs=1)
+    for in_flight, expected in ((400, lambda before: before - 40),  # more held than the limit: from the limit
+                                (3, lambda before: before / 2)):  # few of ours held (others fill Triton)
+        answers(limit, per_s=40, seconds=AdaptiveLimit.TRITON_QUEUE_LIMIT_S + 0.1, clock=clock)  # past the recovery
+        before = limit.value
+        limit.refused(clock[0], in_flight=in_flight)
+        assert limit.value == pytest.approx(expected(before), abs=1)
 
 
 def test_it_ramps_until_a_refusal_then_creeps_then_ramps_again_after_a_quiet_while():
@@ -249,7 +251,7 @@ def test_the_front_cuts_on_tritons_refusals_for_load(message, cut):
 
     status, limit = asyncio.run(main())
     assert status == 503
-    assert (limit.value, limit.cuts) == ((8, 1) if cut else (64, 0))  # cut from the one at Triton: the floor
+    assert (limit.value, limit.cuts) == ((32, 1) if cut else (64, 0))  # from the one held: at most half
 
 
 class RecordingLimit(AdaptiveLimit):
@@ -341,7 +343,7 @@ def exchange(pool, requests, stream=False, limit=None, **changes):
 def test_a_burst_of_refusals_through_the_front_cuts_once(stream):
     statuses, limit, admission = exchange(ScriptedPool("refuse"), 6, stream=stream)
     assert statuses == [503] * 6
-    assert (limit.cuts, limit.value) == (1, 8)  # from the 6 at Triton, not the limit's 64: to the floor, once
+    assert (limit.cuts, limit.value) == (1, 32)  # from the 6 held, not the limit's 64, but at most half, once
     assert (admission.now, admission.at_triton) == (0, 0)
 
 
@@ -353,9 +355,12 @@ def test_only_a_stream_that_ends_well_is_an_answer(script, seen):
     assert statuses == [200] and limit.seen == seen
 
 
-def test_a_request_still_sending_its_body_is_not_at_triton():
-    """The ramp counts the requests at Triton: slow senders holding admitted slots are not evidence."""
-    pool = ScriptedPool("answer")
+@pytest.mark.parametrize("script, seen", [("answer", [("answered", 1)]), ("refuse", [("refused", 4)])])
+def test_a_request_still_sending_its_body_is_not_at_triton(script, seen):
+    """The ramp counts the requests at Triton: slow senders holding admitted slots are not evidence.
+    A refusal's cut is from what the limit bounds, the requests admitted, those slow senders too:
+    from the requests at Triton alone the limit would refuse while Triton holds fewer."""
+    pool = ScriptedPool(script)
     app = front_with(pool)
     limit = RecordingLimit()
     payload = json.dumps(body()).encode()
@@ -379,8 +384,8 @@ def test_a_request_still_sending_its_body_is_not_at_triton():
                 writer.close()
             return status
 
-    assert asyncio.run(main()) == 200
-    assert limit.seen == [("answered", 1)]  # not 4: three were admitted, none at Triton
+    assert asyncio.run(main()) == (200 if script == "answer" else 503)
+    assert limit.seen == seen  # answered: 1, not 4 (three were admitted, none at Triton); refused: the 4 admitted
 
 
 def test_the_images_in_flight_are_bounded_in_bytes_whatever_their_number():

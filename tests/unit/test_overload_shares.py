@@ -196,7 +196,7 @@ def test_the_answered_attempts_p99_is_judged_for_every_judged_kind_that_has_it()
     for name in ("openai-front", "backoff-front", "resend-proxy"):
         figures = dict(kind(45.0, name=name), **slow)
         assert overload.judge(phase(50.0), [figures], ARGS) == [
-            f"{name} at 20x: admitted p99 3.20x saturation's (limit 3.0x)"]
+            f"{name} at 20x: answered attempts' p99 3.20x saturation's (limit 3.0x)"]
     assert overload.judge(phase(50.0), [dict(kind(45.0, name="openai-front-expect"), **slow)], ARGS) == []
     assert overload.judge(phase(50.0), [dict(kind(45.0), answered_attempt_p99_ms=None)], ARGS) == []
     assert overload.judge(phase(50.0), [dict(kind(45.0, name="openai-front"), answered_attempt_p99_ms=8900.0)],

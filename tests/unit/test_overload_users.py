@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import shutil
+import time
 import types
 
 import httpx2
@@ -126,12 +127,12 @@ def test_the_sdks_hidden_attempts_are_counted_refusals_and_no_answers_apart():
 
     answered, lost, counts = sdk_phase(handler)
     assert (answered, lost) == (2, [])
-    answered_attempts_s = counts.pop("answered_attempts_s")
+    answered_attempts = counts.pop("answered_attempts")
     assert counts == {"attempts": 4, "rejected": 1, "no_answer": 1, "no_answer_reasons": {"WriteError": 1},
                       "retry_after_s": {"0.01": 1}, "refusals_before_answer": {0: 1, 1: 1},
                       "refused_by": {"busy": 1}}
     # Only the answered attempts are timed: the refusal's wait and resend are not in them.
-    assert len(answered_attempts_s) == 2 and all(0 <= latency < 0.01 for latency in answered_attempts_s)
+    assert len(answered_attempts) == 2 and all(0 <= latency < 0.01 for _, latency in answered_attempts)
     assert attempts[0] == attempts[1] == attempts[2] != attempts[3]  # the SDK resent request 0 itself
 
 
@@ -146,7 +147,7 @@ def test_a_request_refused_past_the_sdks_retries_is_lost_and_each_refusal_counte
     assert answered == 0 and lost == ["InternalServerError", "InternalServerError"]
     assert counts == {"attempts": 4, "rejected": 4, "no_answer": 0, "no_answer_reasons": {},
                       "retry_after_s": {"0.01": 2, "0.02": 1, "none": 1},  # by Retry-After, in order
-                      "refusals_before_answer": {}, "refused_by": {"busy": 4}, "answered_attempts_s": []}
+                      "refusals_before_answer": {}, "refused_by": {"busy": 4}, "answered_attempts": []}
 
 
 def test_each_request_is_the_body_and_headers_chat_completions_create_sends():
@@ -334,22 +335,26 @@ def test_refusals_are_split_by_the_limit_that_gave_them():
 def test_a_python_phase_reports_the_answered_attempts_of_the_window_apart_from_the_answers():
     """The answers' latencies include the client's retries (a Retry-After's wait); the
     answered attempts' alone are what the target on admitted requests' latency judges.
-    Only the attempts answered after the warm-up count (a list's items since then)."""
-    attempts = []
+    Only the attempts that ended in the measured window count, by their end, as the answers."""
+    attempts, start = [], []
 
     def make(users):
         async def request(number):
             await asyncio.sleep(0.02)  # a retry's wait, hidden in the answer's latency
-            attempts.append(0.5 if len(attempts) < 2 else 0.004)  # the warm-up's two are slow
+            now = time.monotonic()
+            start[:] = start or [now]
+            if now - start[0] < 0.1:
+                attempts.append((now, 0.5))  # in the warm-up: slow, left out
+            elif now - start[0] > 0.5:
+                attempts.append((now, 0.004))  # well inside the window
             await asyncio.sleep(0.005)
 
         async def close():
             pass
-        return request, (lambda: {"rejected": 0, "answered_attempts_s": list(attempts)}), close
+        return request, (lambda: {"rejected": 0, "answered_attempts": list(attempts)}), close
 
-    figures = overload_users.python_kind_phase(make, users=1, seconds=0.2, warmup_s=0.06)
-    assert figures["answered_attempt_p99_ms"] == 4.0 and figures["answered_attempt_p50_ms"] == 4.0
+    figures = overload_users.python_kind_phase(make, users=1, seconds=0.6, warmup_s=0.3)
+    assert attempts[0][1] == 0.5 and figures["answered_attempt_p99_ms"] == 4.0
+    assert figures["answered_attempt_p50_ms"] == 4.0
     assert figures["admitted_p50_ms"] >= 20  # the answers: the wait included
-    assert "answered_attempts_s" not in figures
-    assert overload_users.counted_since({"a": [1, 2, 3], "n": 5}, {"a": [1], "n": 2}) == {"a": [2, 3], "n": 3}
-
+    assert "answered_attempts" not in figures
