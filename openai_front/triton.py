@@ -209,9 +209,14 @@ class TritonPool:
         self._metadata = inference_metadata(inference_key)
         self._clients = [grpcclient.InferenceServerClient(url) for _ in range(channels)]
         self._next = itertools.cycle(self._clients)
+        # The config reads (longest_queue_time_s) start while Triton may still be loading: on a
+        # channel of their own, with its own subchannel (gRPC shares one per address across a
+        # process's channels), so that its reconnect back-off after refused connections never
+        # delays an inference (the first answers through the front were 503 for seconds).
+        self._configs = grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
 
     async def close(self):
-        for client in self._clients:
+        for client in (*self._clients, self._configs):
             await client.close()
 
     async def is_ready(self):
@@ -239,7 +244,7 @@ class TritonPool:
         if name in path:
             return 0  # a BLS callee naming its caller: never loop
         if name not in configs:
-            configs[name] = (await next(self._next).get_model_config(name, client_timeout=2)).config
+            configs[name] = (await self._configs.get_model_config(name, client_timeout=2)).config
         config = configs[name]
         callees = [step.model_name for step in config.ensemble_scheduling.step]
         if BLS_CALLEE in config.parameters and config.parameters[BLS_CALLEE].string_value.strip():

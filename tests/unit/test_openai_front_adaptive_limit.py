@@ -10,7 +10,6 @@ LLM's latency. Then the front itself, with Triton's own refusal texts."""
 import asyncio
 import collections
 import heapq
-import itertools
 import json
 import pathlib
 import random
@@ -464,7 +463,7 @@ class ConfigClient:
 
 def pool_asking(client):
     pool = triton.TritonPool.__new__(triton.TritonPool)
-    pool._next = itertools.cycle([client])
+    pool._configs = client
     return pool
 
 
