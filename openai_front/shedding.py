@@ -152,9 +152,10 @@ class AdaptiveLimit:
       the front held when Triton refused where they are fewer, and at most
       halves it: the queue then holds about QUEUE_CUT_S less than the 2 s
       that refused, whatever the LLM's latency (a cut by a fraction alone
-      would starve a slow LLM and hardly help behind a fast one). Requests passed on before the cut, or within
-      Triton's queue time limit after it, are old news: a burst of refusals
-      cuts once, not once each (TCP's one cut per window, RFC 5681's recovery).
+      would starve a slow LLM and hardly help behind a fast one). Requests
+      passed on before the cut, or within Triton's queue time limit after
+      it, are old news: a burst of refusals cuts once, not once each (TCP's
+      one cut per window, RFC 5681's recovery).
       Those passed on just after the cut wait behind the queue that refused
       and time out with it: counted as news, each cut brought the next, and
       a burst of clients coming back together (a Retry-After echo) took the

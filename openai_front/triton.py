@@ -247,8 +247,9 @@ class TritonPool:
             configs[name] = (await self._configs.get_model_config(name, client_timeout=2)).config
         config = configs[name]
         callees = [step.model_name for step in config.ensemble_scheduling.step]
-        if BLS_CALLEE in config.parameters and config.parameters[BLS_CALLEE].string_value.strip():
-            callees.append(config.parameters[BLS_CALLEE].string_value.strip())
+        bls_callee = config.parameters[BLS_CALLEE].string_value.strip() if BLS_CALLEE in config.parameters else ""
+        if bls_callee:
+            callees.append(bls_callee)
         waits = [await self._queue_time_us(callee, configs, (*path, name)) for callee in callees]
         return queue_timeout_us(config) + sum(waits)
 

@@ -101,13 +101,13 @@ def python_kind_phase(make_request, users, seconds, warmup_s=0.0):
     answers, lost, counts, attempts_s, cpu_s, elapsed_s = asyncio.run(main())
     figures = summary(users, seconds, in_window(answers, warmup_s, seconds), [], lost)
     figures.update(warmup_s=warmup_s, answered_per_s_by_5s=timeline([end for end, _ in answers]))
-    # Over the measured window, as the C generator's refusals: "rejected", the resends
-    # seen by the client (their latency is inside the answers').
     # The SDK's answered attempts alone (its retries' waits are in the answers' latencies):
     # what the target on admitted requests' latency judges.
     if attempts_s is not None:
         figures.update(answered_attempt_p50_ms=percentile_ms(attempts_s, 50),
                        answered_attempt_p99_ms=percentile_ms(attempts_s, 99))
+    # Over the measured window, as the C generator's refusals: "rejected", the resends
+    # seen by the client (their latency is inside the answers').
     figures.update(counts)
     # Over the phase as it lasted (a generator short of CPU ends late), as c_phase.
     figures["load_generator_cpu_share"] = round(cpu_s / elapsed_s, 3)
