@@ -789,11 +789,10 @@ def measure(args, grpc_url, http_url, openai_url, image_path, workdir, metrics_u
 
 def on_own_server(args, image_path, workdir):
     llm = FakeLLM(pathlib.Path(workdir) / "fake_llm.log", latency_ms=args.llm_latency_ms)
-    # The server's log beside the results, not in the temporary folder: a run the server did not
-    # survive is read from it afterwards.
-    log_path = args.results.with_name("tritonserver.log") if args.results else None
-    if log_path:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The server's log under build/, not in the temporary folder: a run the server did not
+    # survive is read from it afterwards. Never beside results kept in docs/results/.
+    log_path = REPO / "build" / "overload" / "tritonserver.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     server = TritonServer(workdir, {"LLM_BASE_URL": llm.base_url, "LLM_API_KEY": "sk-overload"}, log_path=log_path)
     try:
         server.start()
