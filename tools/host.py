@@ -31,17 +31,21 @@ def _field(cpuinfo, name):
 
 
 def cpu(cpuinfo=None):
-    """{"model", "isa_flags", "vnni"} from the text of /proc/cpuinfo (read when not given).
+    """{"model", "family", "isa_flags", "vnni"} from the text of /proc/cpuinfo (read when not given).
+    family is "family F model M" where the text has both lines, else None: a VM's model name
+    can be as bare as "AMD EPYC", which Zen 4 (family 25) and Zen 5 (family 26) both show.
     isa_flags lists the ISA_FLAGS and amx_* flags present, in that order; it is None where
     the text has no flags line (not x86, or /proc/cpuinfo unreadable)."""
     text = _read("/proc/cpuinfo") if cpuinfo is None else cpuinfo
     model = (_field(text, "model name") if text else None) or platform.processor() or "unknown CPU"
+    numbers = [_field(text, name) if text else None for name in ("cpu family", "model")]
+    family = f"family {numbers[0]} model {numbers[1]}" if all(numbers) else None
     flags_line = _field(text, "flags") if text else None
     if flags_line is None:
-        return {"model": model, "isa_flags": None, "vnni": None}
+        return {"model": model, "family": family, "isa_flags": None, "vnni": None}
     present = set(flags_line.split())
     isa = [flag for flag in ISA_FLAGS if flag in present] + sorted(f for f in present if f.startswith("amx"))
-    return {"model": model, "isa_flags": isa, "vnni": any(flag in present for flag in VNNI_FLAGS)}
+    return {"model": model, "family": family, "isa_flags": isa, "vnni": any(flag in present for flag in VNNI_FLAGS)}
 
 
 def memory_gib(meminfo=None):
@@ -57,9 +61,17 @@ def describe(cpuinfo=None, meminfo=None):
 
 
 def summary(machine):
-    """One line: 'MODEL, N cores, M GiB RAM, OS'."""
+    """One line: 'MODEL (family F model M), N cores, M GiB RAM, OS'."""
     memory = f"{machine['memory_gib']:.0f} GiB RAM" if machine.get("memory_gib") is not None else "RAM unknown"
-    return f"{machine['cpu']['model']}, {machine['cores']} cores, {memory}, {machine['os']}"
+    return f"{cpu_name(machine)}, {machine['cores']} cores, {memory}, {machine['os']}"
+
+
+def cpu_name(machine):
+    """'MODEL (family F model M)', or MODEL where the family was not recorded (results files
+    written before it was), or None without a recorded CPU."""
+    recorded = (machine or {}).get("cpu") or {}
+    model, family = recorded.get("model"), recorded.get("family")
+    return f"{model} ({family})" if model and family else model
 
 
 def isa_text(machine):

@@ -29,6 +29,7 @@ AMD_EPYC_AVX2 = """\
 processor\t: 0
 vendor_id\t: AuthenticAMD
 cpu family\t: 23
+model\t\t: 49
 model name\t: AMD EPYC 7B12
 flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sse sse2 ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes \
 xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm sse4a misalignsse 3dnowprefetch \
@@ -41,7 +42,7 @@ MEMINFO = "MemTotal:       24632700 kB\nMemFree:         1000000 kB\n"
 
 def test_an_intel_cpu_with_vnni_and_amx():
     cpu = host.cpu(INTEL_VNNI)
-    assert cpu == {"model": "Intel(R) Xeon(R) Platinum 8480+",
+    assert cpu == {"model": "Intel(R) Xeon(R) Platinum 8480+", "family": None,  # no family lines in this text
                    "isa_flags": ["avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
                                  "amx_tile"],
                    "vnni": True}
@@ -49,20 +50,26 @@ def test_an_intel_cpu_with_vnni_and_amx():
 
 def test_an_amd_epyc_with_avx2_only():
     cpu = host.cpu(AMD_EPYC_AVX2)
-    assert cpu == {"model": "AMD EPYC 7B12", "isa_flags": ["avx2", "fma"], "vnni": False}
+    assert cpu == {"model": "AMD EPYC 7B12", "family": "family 23 model 49", "isa_flags": ["avx2", "fma"],
+                   "vnni": False}
     machine = host.describe(AMD_EPYC_AVX2, MEMINFO)
     assert host.isa_text(machine) == "avx2, fma (no VNNI)"
-    assert host.summary(machine).startswith("AMD EPYC 7B12, ")
+    assert host.summary(machine).startswith("AMD EPYC 7B12 (family 23 model 49), ")
     assert ", 23 GiB RAM, " in host.summary(machine)
 
 
 def test_no_flags_line_is_not_an_empty_flag_list():
     cpu = host.cpu("processor\t: 0\nmodel name\t: Some CPU\n")
-    assert cpu == {"model": "Some CPU", "isa_flags": None, "vnni": None}
+    assert cpu == {"model": "Some CPU", "family": None, "isa_flags": None, "vnni": None}
     assert host.isa_text({"cpu": cpu}) == host.NOT_RECORDED
     # x86 without any of the flags: say which were looked for
     machine = {"cpu": host.cpu("model name\t: Old\nflags\t\t: fpu sse sse2\n")}
     assert host.isa_text(machine) == "none of avx2, fma, avx512f, avx512_vnni, avx_vnni (no VNNI)"
+
+
+def test_a_results_file_without_the_family_still_has_a_summary():
+    machine = {**host.describe(AMD_EPYC_AVX2, MEMINFO), "cpu": {"model": "AMD EPYC", "isa_flags": [], "vnni": False}}
+    assert host.summary(machine).startswith("AMD EPYC, ")
 
 
 def test_this_machine_is_described():

@@ -400,7 +400,7 @@ def write(results, out_path, plots_dir):
 def _cpu_text(meta):
     """'MODEL (flags)': the CPU every figure of the run is from."""
     machine = meta.get("host")
-    model = (machine or {}).get("cpu", {}).get("model") or meta.get("machine", "an unrecorded CPU")
+    model = host.cpu_name(machine) or meta.get("machine", "an unrecorded CPU")
     return f"{model} ({host.isa_text(machine)})"
 
 
