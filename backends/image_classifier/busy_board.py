@@ -13,7 +13,8 @@ comes in), and a neighbour that starts a wide pass in that gap would take the co
 it. A lone request instead finds the others idle since the previous answer went to the client.
 
 Reads and writes are plain stores to shared memory: no lock on the request path. A race costs
-at most one forward pass run wide beside a busy neighbour, never a wrong answer. A flag left
+at most one forward pass run wide beside a busy neighbour (its worker spinning between ops, so
+taking that core for the pass), never a wrong answer. A flag left
 set by a stub that died mid-execution counts for STALE_NS at most (no execution takes that
 long): the neighbours run narrow meanwhile, the layout without the board. Anything wrong with
 the board itself (no shared folder, a file that is not ours) leaves the instance off it, narrow.

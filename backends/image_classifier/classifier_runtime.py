@@ -174,7 +174,7 @@ class OnnxClassifier:
         # A second session of the same graph with a wider thread pool, for a pass that starts while
         # the other instances are idle (onnxruntime fixes a session's threads when it is made).
         self.idle_threads = idle_intra_op_threads if idle_intra_op_threads > intra_op_threads else None
-        self.idle_session = _onnx_session(model_path, self.idle_threads) if self.idle_threads else self.session
+        self.idle_session = _onnx_session(model_path, self.idle_threads, spin=True) if self.idle_threads else self.session
         self.input_name, self.scores_name, self.labels_name = input_name, scores_name, labels_name
         self.input_dtype = np.dtype(input_dtype)
         self.intra_op_threads = intra_op_threads
@@ -223,16 +223,22 @@ class OnnxClassifier:
         return encoded, scores.astype(np.float32, copy=False)
 
 
-def _onnx_session(model_path, intra_op_threads):
+def _onnx_session(model_path, intra_op_threads, spin=False):
+    """spin: the pool's workers spin between the ops of a pass and stop when it ends. For the idle
+    session only, whose pass has the other core to itself: a worker put to sleep after each op and
+    woken for the next made a lone decode and forward pass 0.85x slower (a lone request's time,
+    docs/benchmarks-method.md#a-lone-requests-time). Spinning left on after a pass took a
+    core's CPU in the gaps between requests; spinning off altogether is for the narrow sessions,
+    whose neighbours need the other cores."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.inter_op_num_threads = 1  # the graph is a chain: nothing to run side by side
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # With more than one thread, workers that spin between ops take CPU the other
-    # instances and preprocess need on a small machine.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     try:
         return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     except Exception as error:  # onnxruntime raises its own Fail/InvalidGraph types

@@ -222,6 +222,11 @@ def test_a_pass_takes_the_idle_threads_only_when_asked_and_answers_the_same(prep
     assert wide.idle_threads == 2 and wide.idle_session is not wide.session
     assert wide.idle_session.get_session_options().intra_op_num_threads == 2
     assert "1 onnxruntime thread(s), 2 when the other instances are idle" in wide.details
+    # The wide pass's workers spin between its ops and stop when it ends; the narrow ones never spin.
+    wide_options, narrow_options = wide.idle_session.get_session_options(), wide.session.get_session_options()
+    assert wide_options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert wide_options.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert narrow_options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     runs = []
     for session in (wide.session, wide.idle_session):  # which session each call ran on
         session.run = (lambda run, threads: lambda *a, **k: runs.append(threads) or run(*a, **k))(

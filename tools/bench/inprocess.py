@@ -19,6 +19,7 @@ prints one JSON object: {"runtime": ..., "layouts": [{"name": "2x1", "e2e": {bat
 """
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -70,10 +71,14 @@ def _onnx(model_file):
                 pixels.data_type])
         else:  # the classifier serves another runtime: the graph's own input
             name, dims, dtype, top_k = "PIXELS", [3, 224, 224], np.dtype(np.uint8), 5
+        # More than one thread: the session of the server's wide pass, whose workers spin between
+        # ops (onnxruntime's default). One that sleeps between ops, as the server's narrow sessions,
+        # was a weaker baseline: 1x2 did 192 img/s against 222 spinning (docs/benchmarks-method.md).
         classifier = runtime.OnnxClassifier(
             pathlib.Path(repository) / "classifier/1" / model_file, name, dims, dtype, "SCORES", "LABELS", top_k,
-            intra_op_threads=threads)
-        return classifier.classify  # casts a batch to the config's input type, as in the server
+            intra_op_threads=1, idle_intra_op_threads=threads)
+        # classify casts a batch to the config's input type, as in the server.
+        return functools.partial(classifier.classify, idle=threads > 1)
     return build
 
 
