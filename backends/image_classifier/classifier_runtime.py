@@ -226,10 +226,10 @@ class OnnxClassifier:
 def _onnx_session(model_path, intra_op_threads, spin=False):
     """spin: the pool's workers spin between the ops of a pass and stop when it ends. For the idle
     session only, whose pass has the other core to itself: a worker put to sleep after each op and
-    woken for the next made a lone decode and forward pass 0.85x slower (a lone request's time,
-    docs/benchmarks-method.md#a-lone-requests-time). Spinning left on after a pass took a
-    core's CPU in the gaps between requests; spinning off altogether is for the narrow sessions,
-    whose neighbours need the other cores."""
+    woken for the next made a lone decode and forward pass take 1.17x as long, and a lone ensemble
+    request's p50 1.19x (docs/benchmarks-method.md#where-the-cpu-goes). Spinning left on after a
+    pass took a core's CPU in the gaps between requests; the narrow sessions never spin, their
+    neighbours need the other cores."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
