@@ -226,7 +226,7 @@ class OnnxClassifier:
 def _onnx_session(model_path, intra_op_threads, spin=False):
     """spin: the pool's workers spin between the ops of a pass and stop when it ends. For the idle
     session only, whose pass has the other core to itself: a worker put to sleep after each op and
-    woken for the next made a lone decode and forward pass take 1.17x as long, and a lone ensemble
+    woken for the next made a lone decode and forward pass take 1.2x as long, and a lone ensemble
     request's p50 1.19x (docs/benchmarks-method.md#where-the-cpu-goes). Spinning left on after a
     pass took a core's CPU in the gaps between requests; the narrow sessions never spin, their
     neighbours need the other cores."""

@@ -149,6 +149,28 @@ def test_in_process_layouts_spend_every_core_one_way_or_the_other():
     assert inprocess.parse_layouts("1x4,4x1,2x2") == [(1, 4), (4, 1), (2, 2)]
 
 
+def test_the_in_process_baseline_runs_more_than_one_thread_as_the_servers_wide_pass(monkeypatch):
+    """1xN's N threads run the session of the server's wide pass (its workers spinning between ops);
+    the narrow session's N threads, asleep between ops, were a weaker baseline
+    (docs/benchmarks-method.md#where-the-cpu-goes)."""
+    from tools.backend_code import load
+
+    made = []
+
+    class Classifier:
+        def __init__(self, *args, **kwargs):
+            made.append({key: kwargs[key] for key in ("intra_op_threads", "idle_intra_op_threads")})
+
+        def classify(self, pixels, idle=False):
+            return idle
+
+    monkeypatch.setattr(load("image_classifier", "classifier_runtime"), "OnnxClassifier", Classifier)
+    passes = [inprocess._onnx("model.onnx")(REPO / "model_repository", threads)(None) for threads in (1, 2)]
+    assert passes == [False, True]  # one thread: the narrow session, the same graph and options
+    assert made == [{"intra_op_threads": 1, "idle_intra_op_threads": 1},
+                    {"intra_op_threads": 1, "idle_intra_op_threads": 2}]
+
+
 def _repository_serving(tmp_path, backend, parameters):
     """A model repository whose classifier config names `backend` and `parameters` (nothing else is read)."""
     config = tmp_path / "classifier/config.pbtxt"
