@@ -26,7 +26,7 @@ def _read(path):
 
 def _field(cpuinfo, name):
     """The value of the first `name : value` line of /proc/cpuinfo, or None."""
-    match = re.search(rf"^{name}\s*:\s*(.*)$", cpuinfo, re.MULTILINE)
+    match = re.search(rf"^{name}[ \t]*:[ \t]*(.*)$", cpuinfo, re.MULTILINE)  # [ \t]: an empty value is not the next line
     return match.group(1).strip() if match else None
 
 

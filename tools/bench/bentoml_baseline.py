@@ -129,7 +129,7 @@ def target_row(section):
               f"({section['variant']}); failed requests {failures['ensemble']} vs {failures['bentoml']}; server CPU "
               f"{section['server_cpu_ms_per_request']['ensemble']:.1f} vs "
               f"{section['server_cpu_ms_per_request']['bentoml']:.1f} ms per request; "
-              f"{cpu.get('model', 'CPU not recorded')} ({'VNNI' if cpu.get('vnni') else 'no VNNI'})")
+              f"{host.cpu_name(section.get('host')) or 'CPU not recorded'} ({'VNNI' if cpu.get('vnni') else 'no VNNI'})")
     # "with 0 failures": the ensemble's; BentoML's own failures are reported, its throughput counts answers only.
     unmet = f"{failures['ensemble']} ensemble request(s) failed" if failures["ensemble"] else ""
     return Target(name, section["ratio"], section["target_ratio"], unmet_reason=unmet,

@@ -217,7 +217,7 @@ def results(stage):
 
 def cpu():
     machine = host.describe()
-    return f"{machine['cpu']['model']}, {machine['cores']} CPUs"
+    return f"{host.cpu_name(machine)}, {machine['cores']} CPUs"
 
 
 # What `mutmut show NAME` prints, for many mutants in one process (one `mutmut
