@@ -19,6 +19,7 @@ per-round ratio spinning / asleep.
 """
 
 import argparse
+import datetime
 import json
 import pathlib
 import statistics
@@ -83,7 +84,8 @@ def measure(args):
         summary[mode]["spinning_over_asleep_ms"] = {"median": statistics.median(ratios), "min": min(ratios),
                                                     "max": max(ratios),
                                                     "rounds_spinning_faster": sum(ratio < 1 for ratio in ratios)}
-    return {"host": host.describe(), "args": vars(args) | {"results": str(args.results)}, "rounds": rounds,
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": host.describe(), "args": vars(args) | {"results": str(args.results)}, "rounds": rounds,
             "summary": summary}
 
 
