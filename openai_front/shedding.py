@@ -17,25 +17,35 @@ LLM lets the limit rise, and each request holds its image to its end.
 The Retry-After grows with the overload. A fixed one second would bring every
 refused client back every second: at 20x the capacity, 20 refusals for each
 answer, and the refusals (and the clients making them) eat the capacity they
-protect. Instead the front estimates how many clients wait to come back
-(Little's law over the last WINDOW_S: each refusal stands for one client away
-for the Retry-After it was given) and how many answers finish per second, and
-asks each refused client to come back after about waiting / finished per
-second: then about one client comes back for each slot that frees. Beside it
-comes a fresh attempt: the client just answered sends its next request, or a
-new one arrives. Two attempts per freed slot keep the slots full and cost one
-refusal per answer; counting only those coming back, as this did before,
-made three attempts per freed slot (3.2 measured through the front with the
-openai SDK at 20x; docs/reliability.md#overload). Drawn at random around that
-mean, so clients refused together come back spread out: from 1 s to twice the
-mean less 1 s, and once the mean passes half the longest Retry-After from as far
-below the mean as the longest is above it, never narrower than MIN_SPREAD_S.
-Before the window holds an answer (a cold start, or answers slower than the
-window) the pace is taken as one answer per window, the least it could have
-seen: a lone refusal still gets 1 s, but a crowd arriving at once is spread
-at once. Answering every refusal with 1 s until the first answer brought a
-crowd of 2,432 refused clients back every second, each with its photo to
-send and to be read, for as long as the first answers took.
+protect. Instead the front counts the clients away (each refusal is one
+client away until the Retry-After it was given ends) and how many answers
+finish per second over the last WINDOW_S, and asks each refused client to
+come back after about away / (RETURNS_PER_FREED_SLOT x finished per second):
+half a client comes back for each slot that frees. Beside it comes a fresh
+attempt: the client just answered sends its next request, or a new one
+arrives; under overload those alone fill the freed slots, so each client
+coming back is mostly one more refusal, which the client and the front pay
+for (the openai SDK's users took 0.2-0.27 of the 2 cores at 20x).
+One back per freed slot, as this asked before, kept the slots no fuller and
+cost the openai SDK's users through the front at 20x 1.5x the refusals for
+fewer answers (docs/reliability.md#overload); counting only those coming
+back, before that, made three attempts per freed slot. The clients away are
+counted, not estimated from the refusals of the last WINDOW_S by Little's
+law, as this did before: a burst of refusals (a crowd coming back together)
+counted each for the whole window, took the estimate past the clients there
+were, the waits to the longest and the next wave with them. Drawn at random
+around that mean, so clients refused together come back spread out: from
+1 s to twice the mean less 1 s, and once the mean passes half the longest
+Retry-After from as far below the mean as the longest is above it, never
+narrower than MIN_SPREAD_S. Before the window holds an answer (a cold start,
+or answers slower than the window) the pace is taken as one answer per
+window, the least it could have seen, and the wait is drawn from 1 s up,
+never narrowed around the mean: a lone refusal still gets 1 s, but a crowd
+arriving at once is spread at once, over the whole range. Answering every
+refusal with 1 s until the first answer brought a crowd of 2,432 refused
+clients back every second, each with its photo to send and to be read, for
+as long as the first answers took; narrowed around the longest mean, the
+same crowd came back as one wave 39 to 59 s later.
 The openai SDK pinned here waits as asked for a Retry-After of up to 120 s
 and does not retry at all past it; its earlier releases (and SDKs made the
 same way, anthropic's) wait as asked only up to 60 s and past it fall back to
@@ -56,6 +66,7 @@ A client that sent `Expect: 100-continue` holds its body back instead
 import asyncio
 import collections
 import contextlib
+import heapq
 import math
 import random
 import time
@@ -71,7 +82,7 @@ from .errors import FrontError, unavailable
 SHED_PATHS = frozenset({"/v1/chat/completions"})
 WINDOW_S = 10.0
 LONGEST_RETRY_AFTER_S = 59  # under 60 s, the most that every release of the openai SDK waits as asked
-RETURNS_PER_FREED_SLOT = 1  # clients coming back; the fresh attempt beside each makes two
+RETURNS_PER_FREED_SLOT = 0.5  # clients coming back per freed slot, beside the fresh attempt that fills it
 MIN_SPREAD_S = 20  # the narrowest range (its whole width) of Retry-Afters drawn from, at the longest mean
 
 
@@ -99,41 +110,56 @@ class PerSecond:
 
 
 class RetryAfter:
-    """Seconds to ask a refused client to wait, from what the last WINDOW_S saw."""
+    """Seconds to ask a refused client to wait: the clients away now over the answers
+    finished a second in the last WINDOW_S."""
 
     def __init__(self, clock=time.monotonic, rng=None):
         self.clock, self.rng = clock, rng or random.Random()
-        self.finished = PerSecond()          # answers
-        self.refused = collections.deque()   # (time, Retry-After given)
-        self.refused_wait_s = 0.0            # sum of the Retry-Afters in self.refused
+        self.finished = PerSecond()  # answers
+        # Refused clients still away, by the whole second their Retry-After ends (at most
+        # LONGEST_RETRY_AFTER_S + 1 keys, however many refusals), and the earliest of those.
+        self.away_until = collections.Counter()
+        self.ends = []  # heap of away_until's keys
+        self.away = 0
 
-    def _forget_before(self, now):
-        while self.refused and self.refused[0][0] < now - WINDOW_S:
-            self.refused_wait_s -= self.refused.popleft()[1]
+    def _forget_back(self, now):
+        while self.ends and self.ends[0] <= now:
+            self.away -= self.away_until.pop(heapq.heappop(self.ends))
 
     def finish(self):
-        now = self.clock()
-        self.finished.add(now)
-        self._forget_before(now)
+        self.finished.add(self.clock())
+
+    def _pace(self, now):
+        """Answers finished a second over the last WINDOW_S, None before the window holds one."""
+        count = self.finished.count(now)
+        return count / WINDOW_S if count else None
 
     def mean_s(self):
         """The mean wait to ask for now (at least 1 s)."""
         now = self.clock()
-        self._forget_before(now)
+        self._forget_back(now)
         # Nothing finished yet: as if one answer had, the slowest pace the window can show.
-        finished_per_s = max(self.finished.count(now), 1) / WINDOW_S
-        waiting = self.refused_wait_s / WINDOW_S  # clients away at any moment (Little's law)
+        finished_per_s = self._pace(now) or 1 / WINDOW_S
         longest_mean = LONGEST_RETRY_AFTER_S - MIN_SPREAD_S / 2
-        return min(max(waiting / (RETURNS_PER_FREED_SLOT * finished_per_s), 1.0), longest_mean)
+        return min(max(self.away / (RETURNS_PER_FREED_SLOT * finished_per_s), 1.0), longest_mean)
 
     def refuse(self):
         """The whole seconds to send in Retry-After; counted as one more client away that long."""
         mean = self.mean_s()
-        spread = min(mean - 1, LONGEST_RETRY_AFTER_S - mean)  # each side of the mean
-        seconds = self.rng.randint(round(mean - spread), round(mean + spread))
         now = self.clock()
-        self.refused.append((now, seconds))
-        self.refused_wait_s += seconds
+        if self._pace(now) is None:
+            # The pace is not known yet: from 1 s over all the range up to twice the mean, never
+            # narrowed around it, so that a crowd refused before the first answer does not come
+            # back together near the longest wait.
+            seconds = self.rng.randint(1, min(round(2 * mean - 1), LONGEST_RETRY_AFTER_S))
+        else:
+            spread = min(mean - 1, LONGEST_RETRY_AFTER_S - mean)  # each side of the mean
+            seconds = self.rng.randint(round(mean - spread), round(mean + spread))
+        end = math.ceil(now + seconds)
+        if end not in self.away_until:
+            heapq.heappush(self.ends, end)
+        self.away_until[end] += 1
+        self.away += 1
         return seconds
 
 
