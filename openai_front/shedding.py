@@ -116,11 +116,12 @@ class RetryAfter:
     def __init__(self, clock=time.monotonic, rng=None):
         self.clock, self.rng = clock, rng or random.Random()
         self.finished = PerSecond()  # answers
-        # Refused clients still away, by the whole second their Retry-After ends (at most
-        # LONGEST_RETRY_AFTER_S + 1 keys, however many refusals), and the earliest of those.
+        # The refused clients still away, counted by the whole second their Retry-After ends:
+        # at most LONGEST_RETRY_AFTER_S + 1 counts, however many were refused (a flood of
+        # refusals holds no more memory); `ends` is a heap of those seconds, the earliest first.
         self.away_until = collections.Counter()
-        self.ends = []  # heap of away_until's keys
-        self.away = 0
+        self.ends = []
+        self.away = 0  # their sum
 
     def _forget_back(self, now):
         while self.ends and self.ends[0] <= now:
