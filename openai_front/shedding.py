@@ -27,7 +27,7 @@ arrives; under overload those alone fill the freed slots, so each client
 coming back is mostly one more refusal, which the client and the front pay
 for (the openai SDK's users took 0.2-0.27 of the 2 cores at 20x).
 One back per freed slot, as this asked before, kept the slots no fuller and
-cost the openai SDK's users through the front at 20x 1.5x the refusals for
+cost the openai SDK's users through the front at 20x 1.6x the refusals for
 fewer answers (docs/reliability.md#overload); counting only those coming
 back, before that, made three attempts per freed slot. The clients away are
 counted, not estimated from the refusals of the last WINDOW_S by Little's
@@ -37,15 +37,19 @@ were, the waits to the longest and the next wave with them. Drawn at random
 around that mean, so clients refused together come back spread out: from
 1 s to twice the mean less 1 s, and once the mean passes half the longest
 Retry-After from as far below the mean as the longest is above it, never
-narrower than MIN_SPREAD_S. Before the window holds an answer (a cold start,
-or answers slower than the window) the pace is taken as one answer per
-window, the least it could have seen, and the wait is drawn from 1 s up,
-never narrowed around the mean: a lone refusal still gets 1 s, but a crowd
-arriving at once is spread at once, over the whole range. Answering every
-refusal with 1 s until the first answer brought a crowd of 2,432 refused
-clients back every second, each with its photo to send and to be read, for
-as long as the first answers took; narrowed around the longest mean, the
-same crowd came back as one wave 39 to 59 s later.
+narrower than MIN_SPREAD_S. Before the window holds an answer (a cold
+start, or answers slower than the window) there is no pace to divide by:
+the n-th client away is asked for 1 to n s (at most the longest), so a lone
+refusal gets 1 s, a few get a few seconds, and a crowd arriving at once is
+spread over the whole range at once. Answering every refusal with 1 s until
+the first answer brought a crowd of 2,432 refused clients back every
+second, each with its photo to send and to be read, for as long as the
+first answers took; drawn around the longest mean (the slowest pace the
+window shows), the same crowd came back as one wave 39 to 59 s later.
+A client that comes back before its wait ends counts again for each
+refusal, so a flood of them lengthens the waits the others are asked for,
+at most to the longest, as the estimate before did; what reaches Triton is
+bounded by the limit all the same.
 The openai SDK pinned here waits as asked for a Retry-After of up to 120 s
 and does not retry at all past it; its earlier releases (and SDKs made the
 same way, anthropic's) wait as asked only up to 60 s and past it fall back to
@@ -116,7 +120,7 @@ class RetryAfter:
     def __init__(self, clock=time.monotonic, rng=None):
         self.clock, self.rng = clock, rng or random.Random()
         self.finished = PerSecond()  # answers
-        # The refused clients still away, counted by the whole second their Retry-After ends:
+        # The refused clients still away, counted by the whole second (rounded up) their Retry-After ends:
         # at most LONGEST_RETRY_AFTER_S + 1 counts, however many were refused (a flood of
         # refusals holds no more memory); `ends` is a heap of those seconds, the earliest first.
         self.away_until = collections.Counter()
@@ -139,24 +143,25 @@ class RetryAfter:
         """The mean wait to ask for now (at least 1 s)."""
         now = self.clock()
         self._forget_back(now)
-        # Nothing finished yet: as if one answer had, the slowest pace the window can show.
+        # Nothing finished yet (refuse() then draws without it): the slowest pace the window shows.
         finished_per_s = self._pace(now) or 1 / WINDOW_S
         longest_mean = LONGEST_RETRY_AFTER_S - MIN_SPREAD_S / 2
         return min(max(self.away / (RETURNS_PER_FREED_SLOT * finished_per_s), 1.0), longest_mean)
 
     def refuse(self):
         """The whole seconds to send in Retry-After; counted as one more client away that long."""
-        mean = self.mean_s()
         now = self.clock()
+        self._forget_back(now)
         if self._pace(now) is None:
-            # The pace is not known yet: from 1 s over all the range up to twice the mean, never
-            # narrowed around it, so that a crowd refused before the first answer does not come
-            # back together near the longest wait.
-            seconds = self.rng.randint(1, min(round(2 * mean - 1), LONGEST_RETRY_AFTER_S))
+            # No answer in the window yet, so no pace to divide by: the n-th client away is asked
+            # for 1 to n s (at most the longest), so that a few refused at a cold start come back
+            # within seconds and a crowd spreads over the whole range at once, not near its top.
+            seconds = self.rng.randint(1, min(self.away + 1, LONGEST_RETRY_AFTER_S))
         else:
+            mean = self.mean_s()
             spread = min(mean - 1, LONGEST_RETRY_AFTER_S - mean)  # each side of the mean
             seconds = self.rng.randint(round(mean - spread), round(mean + spread))
-        end = math.ceil(now + seconds)
+        end = math.ceil(now + seconds)  # rounded up: never forgotten before its wait ends
         if end not in self.away_until:
             heapq.heappush(self.ends, end)
         self.away_until[end] += 1
