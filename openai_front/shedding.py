@@ -126,6 +126,7 @@ class RetryAfter:
         self.away_until = collections.Counter()
         self.ends = []
         self.away = 0  # their sum
+        self.refused = 0  # refusals so far
 
     def _forget_back(self, now):
         while self.ends and self.ends[0] <= now:
@@ -166,6 +167,7 @@ class RetryAfter:
             heapq.heappush(self.ends, end)
         self.away_until[end] += 1
         self.away += 1
+        self.refused += 1
         return seconds
 
 

@@ -102,7 +102,7 @@ def run_beside_a_held_slot(app, pool, client):
             try:
                 result = await in_thread(client, server.port)
                 admission = app[front_app.ADMISSION]
-                return result, (admission.now, len(admission.retry_after.refused), not pool.cancelled.is_set())
+                return result, (admission.now, admission.retry_after.refused, not pool.cancelled.is_set())
             finally:
                 holder.close()  # also when the client failed: the server's shutdown would wait on it
     return asyncio.run(main())
@@ -184,7 +184,7 @@ def test_an_admitted_client_gets_100_continue_then_its_answer_and_keeps_its_conn
         async with await serving(app) as server:
             result = await in_thread(client, server.port)
             admission = app[front_app.ADMISSION]
-            return result, (admission.now, len(admission.retry_after.finished.times), len(admission.retry_after.refused))
+            return result, (admission.now, len(admission.retry_after.finished.times), admission.retry_after.refused)
 
     (interim, (status, _, answer), next_status), figures = asyncio.run(main())
     assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
