@@ -145,7 +145,9 @@ class RetryAfter:
         now = self.clock()
         self._forget_back(now)
         # Nothing finished yet (refuse() then draws without it): the slowest pace the window shows.
-        finished_per_s = self._pace(now) or 1 / WINDOW_S
+        return self._mean_s(self._pace(now) or 1 / WINDOW_S)
+
+    def _mean_s(self, finished_per_s):
         longest_mean = LONGEST_RETRY_AFTER_S - MIN_SPREAD_S / 2
         return min(max(self.away / (RETURNS_PER_FREED_SLOT * finished_per_s), 1.0), longest_mean)
 
@@ -153,13 +155,14 @@ class RetryAfter:
         """The whole seconds to send in Retry-After; counted as one more client away that long."""
         now = self.clock()
         self._forget_back(now)
-        if self._pace(now) is None:
+        pace = self._pace(now)
+        if pace is None:
             # No answer in the window yet, so no pace to divide by: the n-th client away is asked
             # for 1 to n s (at most the longest), so that a few refused at a cold start come back
             # within seconds and a crowd spreads over the whole range at once, not near its top.
             seconds = self.rng.randint(1, min(self.away + 1, LONGEST_RETRY_AFTER_S))
         else:
-            mean = self.mean_s()
+            mean = self._mean_s(pace)
             spread = min(mean - 1, LONGEST_RETRY_AFTER_S - mean)  # each side of the mean
             seconds = self.rng.randint(round(mean - spread), round(mean + spread))
         end = math.ceil(now + seconds)  # rounded up: never forgotten before its wait ends

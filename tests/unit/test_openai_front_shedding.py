@@ -71,7 +71,7 @@ def test_retry_afters_are_drawn_around_the_mean_within_the_longest(mean, shortes
     together do not come back together."""
     shedder = RetryAfter(clock=lambda: 0.0, rng=random.Random(0))
     shedder.finish()  # the pace is known
-    shedder.mean_s = lambda: mean
+    shedder._mean_s = lambda finished_per_s: mean
     drawn = [shedder.refuse() for _ in range(20_000)]
     assert set(drawn) == set(range(shortest, longest + 1))
     assert abs((shortest + longest) / 2 - mean) <= 0.25
@@ -166,4 +166,3 @@ def test_once_the_refused_are_back_the_next_refusal_gets_about_a_second():
     now[0] += LONGEST_RETRY_AFTER_S + 1
     shedder.finish()
     assert shedder.mean_s() == 1.0
-
