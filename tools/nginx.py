@@ -15,6 +15,7 @@ from tools.local_stack import free_port, stop_process
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHED_TEMPLATE = REPO / "deploy/nginx/triton-shed.conf.template"
 TEMP_DIRS = ("body", "proxy", "fastcgi", "uwsgi", "scgi")
+REFUSALS_PER_S = 1000  # the template's NGINX_REFUSALS_PER_S, as the docs give it
 
 
 def find_or_unpack():
@@ -79,7 +80,7 @@ class ShedProxy:
     """deploy/nginx/triton-shed.conf.template, rendered for a Triton on
     loopback, nginx as our child on a free port; stopped by its PID."""
 
-    def __init__(self, workdir, triton_http, max_in_flight):
+    def __init__(self, workdir, triton_http, max_in_flight, refusals_per_s=REFUSALS_PER_S):
         self.workdir = pathlib.Path(workdir)
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
@@ -87,7 +88,7 @@ class ShedProxy:
         (self.workdir / "conf.d").mkdir(exist_ok=True)
         (self.workdir / "conf.d/triton-shed.conf").write_text(render(SHED_TEMPLATE.read_text(), {
             "TRITON_HTTP_ADDR": triton_http, "NGINX_LISTEN": f"127.0.0.1:{self.port}",
-            "TRITON_MAX_IN_FLIGHT": max_in_flight}))
+            "TRITON_MAX_IN_FLIGHT": max_in_flight, "NGINX_REFUSALS_PER_S": refusals_per_s}))
         (self.workdir / "nginx.conf").write_text(nginx_conf(self.workdir, f"""\
     log_format shed '$msec $status $request_time $request_length $upstream_status';
     access_log {self.workdir}/nginx-access.log shed;

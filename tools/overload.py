@@ -79,7 +79,7 @@ from classify_describe import throttle  # and their adaptive throttle (backoff-b
 from classify_describe.client import backoff_s, queue_refused  # the clients' own back-off and refusals
 from tools import host, process_cpu
 from tools.local_stack import FakeLLM, TritonServer
-from tools.nginx import ShedProxy
+from tools.nginx import REFUSALS_PER_S, ShedProxy
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 C_SOURCE = REPO / "tools/overload_client.c"
@@ -734,6 +734,8 @@ def parse_args(argv):
                              "starved the Python generators behind a saturated server: docs/reliability.md#overload)")
     parser.add_argument("--proxy-max-in-flight", type=int, default=128,
                         help="TRITON_MAX_IN_FLIGHT of the shedding proxy (deploy/nginx)")
+    parser.add_argument("--proxy-refusals-per-s", type=int, default=REFUSALS_PER_S,
+                        help="NGINX_REFUSALS_PER_S of the shedding proxy: refusals answered a second, the rest wait")
     parser.add_argument("--max-p99-ratio", type=float, default=3.0)
     parser.add_argument("--max-reject-ms", type=float, default=50.0, help="--load-generator python only")
     parser.add_argument("--results", type=pathlib.Path)
@@ -781,7 +783,8 @@ def judge_legacy(saturation, overload, args):
 def measure(args, grpc_url, http_url, openai_url, image_path, workdir, metrics_url=None):
     if args.load_generator == "python":
         return run_legacy(legacy_driver(args, grpc_url, image_path), args)
-    with ShedProxy(pathlib.Path(workdir) / "nginx", http_url, args.proxy_max_in_flight) as proxy:
+    with ShedProxy(pathlib.Path(workdir) / "nginx", http_url, args.proxy_max_in_flight,
+                   args.proxy_refusals_per_s) as proxy:
         stack = Stack(grpc_url, http_url, openai_url, proxy, compile_c_client(workdir), image_path)
         stack.metrics_url = metrics_url
         return run(stack, args)

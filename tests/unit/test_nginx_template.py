@@ -9,15 +9,17 @@ import pytest
 
 from tools import nginx
 
-VALUES = {"TRITON_HTTP_ADDR": "127.0.0.1:8000", "NGINX_LISTEN": "8080", "TRITON_MAX_IN_FLIGHT": 128}
+VALUES = {"TRITON_HTTP_ADDR": "127.0.0.1:8000", "NGINX_LISTEN": "8080", "TRITON_MAX_IN_FLIGHT": 128,
+          "NGINX_REFUSALS_PER_S": 1000}
 
 
-def test_the_template_takes_the_three_documented_variables_and_keeps_nginxs_own():
+def test_the_template_takes_the_four_documented_variables_and_keeps_nginxs_own():
     text = nginx.SHED_TEMPLATE.read_text()
     rendered = nginx.render(text, VALUES)
     assert "${" not in rendered
     assert "server 127.0.0.1:8000;" in rendered and "listen 8080 backlog=4096;" in rendered
     assert "limit_conn triton_in_flight 128;" in rendered
+    assert "zone=triton_refusals:1m rate=1000r/s;" in rendered
     assert "limit_conn_zone $server_port" in rendered  # nginx's variable, left for nginx
 
 

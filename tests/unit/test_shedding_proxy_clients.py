@@ -5,6 +5,7 @@ connect at once each get a refusal, none a reset. Its one slot is held by a
 request whose body is still arriving; the upstream only answers the probes
 (what it admits, Triton answers: tests/integration/test_shedding_proxy.py)."""
 
+import contextlib
 import http.server
 import json
 import pathlib
@@ -39,13 +40,13 @@ def infer_head(length):
             b"Content-Type: application/octet-stream\r\nContent-Length: %d\r\n\r\n" % length)
 
 
-@pytest.fixture
-def full_proxy(tmp_path):
+@contextlib.contextmanager
+def held_proxy(workdir, **settings):
     """The proxy with TRITON_MAX_IN_FLIGHT 1, that one slot taken."""
     upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Probes)
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     try:
-        with nginx.ShedProxy(tmp_path / "nginx", f"127.0.0.1:{upstream.server_address[1]}", 1) as proxy:
+        with nginx.ShedProxy(workdir, f"127.0.0.1:{upstream.server_address[1]}", 1, **settings) as proxy:
             host, port = proxy.url.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) as holder:
                 holder.sendall(infer_head(1_000_000) + b"x" * 1024)  # its body still to come
@@ -56,6 +57,12 @@ def full_proxy(tmp_path):
     finally:
         upstream.shutdown()
         upstream.server_close()
+
+
+@pytest.fixture
+def full_proxy(tmp_path):
+    with held_proxy(tmp_path / "nginx") as proxy:
+        yield proxy
 
 
 def refused_probe(proxy):
@@ -97,3 +104,31 @@ def test_thousands_connecting_at_once_are_each_refused_none_reset(full_proxy, tm
     # refusals end within the 2 s depends on the machine's load (only the window's are counted).
     assert figures["lost"] == 0, figures["lost_by_reason"]
     assert figures["rejected"] >= 1 and figures["admitted"] == 0
+
+
+def test_a_flood_of_refusals_is_answered_at_the_pace_each_waiting_its_turn(tmp_path):
+    """Past NGINX_REFUSALS_PER_S a refused request waits in nginx, its body
+    unread, for its turn: 12 refused at once at 6 a second take about 2 s
+    to answer, each a whole 503 with Retry-After (unpaced: all within
+    milliseconds, and clients that resend at once get a refusal each as fast
+    as nginx can drop their photos: docs/reliability.md#overload)."""
+    pace, count = 6, 12
+    with held_proxy(tmp_path / "nginx", refusals_per_s=pace) as proxy:
+        host, port = proxy.url.rsplit(":", 1)
+        time.sleep(1.5)  # the fixture's probes spent the pace's allowance: let it refill
+        socks = [socket.create_connection((host, int(port)), timeout=SOCKET_TIMEOUT_S) for _ in range(count)]
+        try:
+            started = time.monotonic()
+            for sock in socks:
+                sock.sendall(infer_head(150_000))  # the headers: the body would follow the 503
+            answered = []
+            for sock in socks:
+                answered.append((*read_answer(sock), time.monotonic() - started))
+        finally:
+            for sock in socks:
+                sock.close()
+    for status, headers, answer, _ in answered:
+        assert status == 503 and b"Retry-After: 1" in headers and "in-flight limit" in json.loads(answer)["error"]
+    last = max(seconds for *_, seconds in answered)
+    assert last >= 0.7 * (count - 1) / pace, f"{count} refusals answered within {last:.2f} s at {pace} a second"
+    assert last < SOCKET_TIMEOUT_S
