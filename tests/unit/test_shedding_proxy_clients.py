@@ -8,8 +8,8 @@ request whose body is still arriving; the upstream only answers the probes
 import contextlib
 import http.server
 import json
-import selectors
 import pathlib
+import selectors
 import shutil
 import socket
 import threading
