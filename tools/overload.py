@@ -59,6 +59,7 @@ upstream and one tritonserver (tools/local_stack.py) and stops both by PID.
 import argparse
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import os
@@ -356,8 +357,11 @@ class Stack:
 
     def drive(self, kind, args):
         """drive(users, seconds[, warmup_s]) -> a phase's figures, for one client kind, with
-        the cores each process group used in its measured window (`cpu`, with_cpu)."""
-        return with_cpu(self._driver(kind, args), args.warmup_s)
+        the cores each process group used in its measured window (`cpu`, with_cpu) and,
+        where the server is ours, what Triton did in it (`triton`)."""
+        counters = functools.partial(served_counters, self.metrics_url,
+                                     front_metrics_url(self.openai_base_url) if through_front(kind) else None)
+        return with_cpu(self._driver(kind, args), args.warmup_s, counters if self.metrics_url else None)
 
     def _driver(self, kind, args):
         def c(url, backoff, openai=False, throttle_k=0.0, expect=False):
@@ -389,16 +393,18 @@ class Stack:
         }[kind]()
 
 
-def with_cpu(drive, default_warmup_s):
+def with_cpu(drive, default_warmup_s, counters=None):
     """drive, its figures with "cpu": what the machine's cores did in the measured window
     (tools/process_cpu.Window: the server's processes, the load generator's, idle), and
     "server_cpu_ms_per_answer". On these 2 cores the load generator competes with the server:
     a generator that takes more CPU leaves the server less to answer with, which the
     answered/s alone would charge to the refusals (shares: share_of_cores_left)."""
     def measured(users, seconds, warmup_s=default_warmup_s):
-        window = process_cpu.Window(warmup_s, seconds).start()
+        window = process_cpu.Window(warmup_s, seconds, counters=counters).start()
         figures = drive(users, seconds, warmup_s=warmup_s)
         cpu = window.result()
+        if cpu and "counted" in cpu:
+            figures.update(served_figures(cpu.pop("counted"), seconds))
         figures["cpu"] = cpu
         if cpu and figures.get("admitted_per_s"):
             figures["server_cpu_ms_per_answer"] = round(cpu["server_cores"] * 1000 / figures["admitted_per_s"], 1)
@@ -461,11 +467,98 @@ class NoGauges:
         pass
 
 
+def through_front(kind):
+    return KINDS.get(kind, {}).get("path", "").startswith("OpenAI front")
+
+
+def front_metrics_url(openai_base_url):
+    """The front's /metrics from its base URL (http://host:port/v1), or None without a front."""
+    return openai_base_url.rsplit("/v1", 1)[0] + "/metrics" if openai_base_url else None
+
+
 def front_gauges(stack, kind, interval_s=1.0):
     """A GaugeSampler of the front for the kinds that go through it, else nothing."""
-    if not KINDS.get(kind, {}).get("path", "").startswith("OpenAI front") or not stack.openai_base_url:
+    if not through_front(kind) or not stack.openai_base_url:
         return NoGauges()
-    return GaugeSampler(stack.openai_base_url.rsplit("/v1", 1)[0] + "/metrics", interval_s)
+    return GaugeSampler(front_metrics_url(stack.openai_base_url), interval_s)
+
+
+# Triton's request counters per model (docs/metrics in the server's user guide): requests
+# answered, failed (by reason where the server says it), and the inferences and model
+# executions (batches) they took.
+TRITON_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure",
+                   "nv_inference_count", "nv_inference_exec_count")
+
+
+# The front's: its chat answers by status (a 503 there was admitted, then refused: no body slot
+# within its wait, or Triton refusing it) and its error answers (a 503 there that is not an
+# answer was shed from its headers).
+FRONT_COUNTERS = ("openai_front_requests", "openai_front_errors")  # families: their samples end in _total
+
+
+def served_counters(metrics_url, front_metrics_url=None):
+    """{"<counter> <label>...": count so far}: TRITON_COUNTERS by model (and reason), and the
+    FRONT_COUNTERS by status (and code) where a front is given."""
+    def samples(url, names):
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        # By family: the parser names a counter's sample <family>_total, whether or not the
+        # exposition did (Triton's do not); its other samples (_created) are left out.
+        return [s for family in text_string_to_metric_families(text) if family.name in names
+                for s in family.samples if s.name in (family.name, family.name + "_total")]
+
+    counted = collections.Counter()  # a key sums the series it stands for (versions; the front's models, streams)
+    for s in samples(f"http://{metrics_url}/metrics", TRITON_COUNTERS):
+        counted[" ".join(filter(None, (s.name.removesuffix("_total"), s.labels.get("model"),
+                                       s.labels.get("reason"))))] += s.value
+    for s in samples(front_metrics_url, FRONT_COUNTERS) if front_metrics_url else ():
+        counted[" ".join(filter(None, (s.name, s.labels["status"], s.labels.get("code"))))] += s.value
+    return dict(counted)
+
+
+def served_figures(counted, seconds):
+    """{"triton": triton_per_model, "front": front_refusals} of a window's counts."""
+    triton = {k: v for k, v in counted.items() if not k.startswith("openai_front")}
+    front = {k: v for k, v in counted.items() if k.startswith("openai_front")}
+    return {"triton": triton_per_model(triton, seconds), **({"front": front_refusals(front, seconds)} if front else {})}
+
+
+def front_refusals(counted, seconds):
+    """The front's answers a second within a window: answered (200), shed from the headers
+    (503 before admission), and refused after admission (503 answers: no body slot, or Triton)."""
+    def per_s(count):
+        return round(count / seconds, 1)
+
+    answered_503 = counted.get("openai_front_requests_total 503", 0.0)
+    errors_503 = sum(v for k, v in counted.items() if k.startswith("openai_front_errors_total 503"))
+    return {"answered_per_s": per_s(counted.get("openai_front_requests_total 200", 0.0)),
+            "shed_per_s": per_s(errors_503 - answered_503), "refused_admitted_per_s": per_s(answered_503)}
+
+
+def triton_per_model(counted, seconds):
+    """What Triton did per model within a window: answered and failed per second (failures by
+    reason), and the mean batch its executions ran. Work that ends in no answer (a step run for a
+    request that then fails) shows as failures, and small batches as a higher cost per answer."""
+    models = {}
+    for key, count in counted.items():
+        counter, model, *reason = key.split(" ")
+        row = models.setdefault(model, {})
+        if counter == "nv_inference_request_success":
+            row["answered_per_s"] = round(count / seconds, 1)
+        elif counter == "nv_inference_request_failure":
+            if count:
+                row[f"failed_{reason[0].lower()}_per_s" if reason else "failed_per_s"] = round(count / seconds, 1)
+        else:
+            row[counter] = count
+    for row in models.values():
+        inferences, executions = row.pop("nv_inference_count", 0), row.pop("nv_inference_exec_count", 0)
+        if executions:
+            row["mean_batch"] = round(inferences / executions, 2)
+    return {model: row for model, row in sorted(models.items()) if any(row.values())}
 
 
 def pending_requests(metrics_url):

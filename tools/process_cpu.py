@@ -84,10 +84,13 @@ class Window:
 
     result(): {"cores": {group: cores}, "server_cores", "generator_cores", "idle_cores",
     "steal_cores"} (server: tritonserver, its stubs, the front, nginx; generator: the load
-    generators), or None if the load ended before the window did."""
+    generators), or None if the load ended before the window did. With `counters` (a
+    callable: {name: count so far}) also "counted": how much each grew within the same
+    window (a counter it cannot read then is left out)."""
 
-    def __init__(self, start_after_s, seconds):
+    def __init__(self, start_after_s, seconds, counters=None):
         self.start_after_s, self.seconds = start_after_s, seconds
+        self.counters = counters
         self.figures = None
         self.thread = threading.Thread(target=self._sample, name="cpu-window", daemon=True)
 
@@ -97,10 +100,26 @@ class Window:
 
     def _sample(self):
         time.sleep(self.start_after_s)
+        counted_before = self._count()
         before, machine_before, at = cpu_seconds(), machine_seconds(), time.monotonic()
         time.sleep(self.seconds)
         after, machine_after, now = cpu_seconds(), machine_seconds(), time.monotonic()
-        self.figures = window_figures(before, after, machine_before, machine_after, now - at)
+        figures = window_figures(before, after, machine_before, machine_after, now - at)
+        if self.counters is not None:
+            counted_after = self._count()
+            figures["counted"] = {name: counted_after[name] - counted_before[name]
+                                  for name in counted_after if name in counted_before}
+        self.figures = figures
+
+    def _count(self):
+        """The counters now; {} when there are none or they cannot be read (a scrape
+        lost under load is a gap in the figures, not a failure of the load)."""
+        if self.counters is None:
+            return {}
+        try:
+            return self.counters()
+        except OSError:
+            return {}
 
     def result(self, timeout_s=5.0):
         self.thread.join(timeout_s)

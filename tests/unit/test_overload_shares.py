@@ -1,6 +1,10 @@
 """tools/overload.py: each kind's goodput share is against the saturations measured right before
 and right after it, and the verdict judges each kind's median share over the rounds."""
 
+import contextlib
+import http.server
+import threading
+import time
 from types import SimpleNamespace
 
 from tools import overload, process_cpu
@@ -155,17 +159,13 @@ def test_a_window_splits_the_cores_into_server_generator_and_idle():
     assert figures["idle_cores"] == 0.05 and figures["steal_cores"] == 0.05 and figures["machine_cores"] == 2.0
 
 
-def test_the_fronts_admission_limit_is_sampled_while_a_front_kind_runs():
-    import http.server
-    import threading
-    import time
-
-    limits = iter(range(40, 10, -1))
-
+@contextlib.contextmanager
+def serving_metrics(text_of_scrape):
+    """The port of a local HTTP server that answers every GET with text_of_scrape() (the text of
+    a /metrics scrape)."""
     class Metrics(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            body = (f"# HELP openai_front_admission_limit x\nopenai_front_admission_limit {next(limits)}.0\n"
-                    "openai_front_in_flight 12.0\nopenai_front_requests_total 3.0\n").encode()
+            body = text_of_scrape().encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -177,12 +177,21 @@ def test_the_fronts_admission_limit_is_sampled_while_a_front_kind_runs():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        stack = SimpleNamespace(openai_base_url=f"http://127.0.0.1:{server.server_port}/v1")
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_fronts_admission_limit_is_sampled_while_a_front_kind_runs():
+    limits = iter(range(40, 10, -1))
+    with serving_metrics(lambda: f"# HELP openai_front_admission_limit x\nopenai_front_admission_limit "
+                                 f"{next(limits)}.0\nopenai_front_in_flight 12.0\nopenai_front_requests_total 3.0\n"
+                         ) as port:
+        stack = SimpleNamespace(openai_base_url=f"http://127.0.0.1:{port}/v1")
         assert isinstance(overload.front_gauges(stack, "backoff-bare"), overload.NoGauges)
         with overload.front_gauges(stack, "openai-front", interval_s=0.02) as gauges:
             time.sleep(0.3)
-    finally:
-        server.shutdown()
     steps = gauges.by_5s()
     assert len(steps) == 1 and steps[0]["t_s"] == 0 and steps[0]["openai_front_in_flight"] == 12.0
     assert 10 < steps[0]["openai_front_admission_limit"] < 40  # the mean of falling values
@@ -202,3 +211,64 @@ def test_the_answered_attempts_p99_is_judged_for_every_judged_kind_that_has_it()
     assert overload.judge(phase(50.0), [dict(kind(45.0, name="openai-front"), answered_attempt_p99_ms=8900.0)],
                           ARGS) == []
 
+
+
+def test_what_triton_did_per_model_in_a_window_answers_failures_by_reason_and_the_mean_batch():
+    counted = {"nv_inference_request_success classify_with_view": 600.0,
+               "nv_inference_request_failure classify_with_view REJECTED": 30.0,
+               "nv_inference_request_failure classify_with_view BACKEND": 0.0,
+               "nv_inference_count classify_with_view": 630.0, "nv_inference_exec_count classify_with_view": 90.0,
+               "nv_inference_request_success describe": 570.0, "nv_inference_request_failure describe OTHER": 3.0,
+               "nv_inference_count describe": 570.0, "nv_inference_exec_count describe": 570.0,
+               "nv_inference_request_success unused": 0.0, "nv_inference_count unused": 0.0}
+    assert overload.triton_per_model(counted, 30.0) == {
+        "classify_with_view": {"answered_per_s": 20.0, "failed_rejected_per_s": 1.0, "mean_batch": 7.0},
+        "describe": {"answered_per_s": 19.0, "failed_other_per_s": 0.1, "mean_batch": 1.0}}
+
+
+def test_the_fronts_refusals_in_a_window_tell_those_shed_from_the_headers_from_those_admitted_first():
+    counted = {"openai_front_requests_total 200": 600.0, "openai_front_requests_total 503": 30.0,
+               "openai_front_errors_total 503 service_unavailable": 330.0,
+               "openai_front_errors_total 400 invalid_request": 3.0,
+               "nv_inference_request_success describe": 600.0}
+    figures = overload.served_figures(counted, 30.0)
+    assert figures["front"] == {"answered_per_s": 20.0, "shed_per_s": 10.0, "refused_admitted_per_s": 1.0}
+    assert figures["triton"] == {"describe": {"answered_per_s": 20.0}}
+    assert "front" not in overload.served_figures({"nv_inference_request_success describe": 3.0}, 30.0)
+
+
+TRITON_SCRAPE = """# HELP nv_inference_request_success Number of successful inference requests
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="describe",version="1"} 570
+nv_inference_request_success{model="describe",version="2"} 30
+# TYPE nv_inference_request_failure counter
+nv_inference_request_failure{model="describe",reason="REJECTED",version="1"} 4
+nv_inference_request_failure{model="describe",reason="BACKEND",version="1"} 0
+# TYPE nv_inference_count counter
+nv_inference_count{model="describe",version="1"} 570
+# TYPE nv_inference_exec_count counter
+nv_inference_exec_count{model="describe",version="1"} 285
+# TYPE nv_inference_pending_request_count gauge
+nv_inference_pending_request_count{model="describe",version="1"} 9
+"""
+FRONT_SCRAPE = """# TYPE openai_front_requests_total counter
+openai_front_requests_total{model="m",status="200",stream="false"} 10.0
+openai_front_requests_total{model="m",status="200",stream="true"} 5.0
+openai_front_requests_total{model="m",status="503",stream="false"} 1.0
+# TYPE openai_front_errors_total counter
+openai_front_errors_total{code="service_unavailable",status="503"} 7.0
+# TYPE openai_front_in_flight gauge
+openai_front_in_flight 3.0
+"""
+
+
+def test_the_served_counters_are_read_from_the_scrapes_each_key_summing_the_series_it_stands_for():
+    with serving_metrics(lambda: TRITON_SCRAPE) as triton, serving_metrics(lambda: FRONT_SCRAPE) as front:
+        counted = overload.served_counters(f"127.0.0.1:{triton}", f"http://127.0.0.1:{front}/metrics")
+        assert "openai_front_requests_total 200" not in overload.served_counters(f"127.0.0.1:{triton}")
+    assert counted == {"nv_inference_request_success describe": 600.0,
+                       "nv_inference_request_failure describe REJECTED": 4.0,
+                       "nv_inference_request_failure describe BACKEND": 0.0,
+                       "nv_inference_count describe": 570.0, "nv_inference_exec_count describe": 285.0,
+                       "openai_front_requests_total 200": 15.0, "openai_front_requests_total 503": 1.0,
+                       "openai_front_errors_total 503 service_unavailable": 7.0}

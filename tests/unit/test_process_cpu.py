@@ -71,3 +71,15 @@ def test_a_busy_process_is_seen_using_a_core():
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_a_window_counts_what_its_counters_grew_by_within_it_and_skips_an_unreadable_read():
+    reads = iter([{"answered": 5.0, "gone": 1.0}, {"answered": 12.0, "new": 3.0}])
+    counted = process_cpu.Window(0.0, 0.05, counters=lambda: next(reads)).start().result()["counted"]
+    assert counted == {"answered": 7.0}  # only what both ends could read
+
+    def unreadable():
+        raise OSError("the server is not answering its metrics")
+
+    assert process_cpu.Window(0.0, 0.05, counters=unreadable).start().result()["counted"] == {}
+    assert "counted" not in process_cpu.Window(0.0, 0.05).start().result()
