@@ -415,37 +415,56 @@ def with_cpu(drive, default_warmup_s, counters=None):
 FRONT_GAUGES = ("openai_front_admission_limit", "openai_front_in_flight")
 
 
-class GaugeSampler:
-    """The OpenAI front's admission limit and requests in flight, scraped from its /metrics
-    every `interval_s` by a thread of its own while a phase runs: how the limit it learns
-    from Triton moved (a limit cut below what keeps Triton busy leaves cores idle)."""
+def front_gauges_of(text):
+    """{gauge: value} of FRONT_GAUGES in the front's /metrics text."""
+    return {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(FRONT_GAUGES)}
 
-    def __init__(self, url, interval_s=1.0):
-        self.url, self.interval_s = url, interval_s
+
+def triton_queues_of(text):
+    """{"queued <model>": requests waiting in its queue} from Triton's /metrics text
+    (nv_inference_pending_request_count): a queue that runs dry under overload leaves its
+    instances idle, whatever the load in front of it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f"queued {s.labels['model']}": s.value for family in text_string_to_metric_families(text)
+            if family.name == "nv_inference_pending_request_count" for s in family.samples}
+
+
+class GaugeSampler:
+    """Gauges scraped every `interval_s` by a thread of its own while a phase runs, from each
+    source (url, values_of(text) -> {name: value}): the front's admission limit and requests
+    in flight (how the limit it learns from Triton moved; a limit cut below what keeps Triton
+    busy leaves cores idle) and Triton's queues."""
+
+    def __init__(self, sources, interval_s=1.0):
+        self.sources, self.interval_s = sources, interval_s
         self.samples = []  # (seconds since start, {gauge: value})
         self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="front-gauges", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="phase-gauges", daemon=True)
 
     def _run(self):
         import urllib.request
 
         started = time.monotonic()
         while not self.stopped.wait(self.interval_s):
-            try:
-                with urllib.request.urlopen(self.url, timeout=5) as response:
-                    text = response.read().decode()
-            except OSError:
-                continue  # a scrape lost under load is a gap, not a failure of the phase
-            values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith(FRONT_GAUGES)}
-            self.samples.append((time.monotonic() - started, values))
+            values = {}
+            for url, values_of in self.sources:
+                try:
+                    with urllib.request.urlopen(url, timeout=5) as response:
+                        values.update(values_of(response.read().decode()))
+                except OSError:
+                    continue  # a scrape lost under load is a gap, not a failure of the phase
+            if values:
+                self.samples.append((time.monotonic() - started, values))
 
     def by_5s(self):
         """[{"t_s", gauge: mean}, ...] per 5 s of the phase, warm-up included."""
         steps = collections.defaultdict(list)
         for at, values in self.samples:
             steps[int(at // 5)].append(values)
-        return [{"t_s": step * 5, **{g: round(statistics.mean(v.get(g, 0) for v in rows), 1) for g in FRONT_GAUGES}}
+        names = sorted({name for _, values in self.samples for name in values})
+        return [{"t_s": step * 5, **{g: round(statistics.mean(v.get(g, 0) for v in rows), 1) for g in names}}
                 for step, rows in sorted(steps.items())]
 
     def __enter__(self):
@@ -457,16 +476,6 @@ class GaugeSampler:
         self.thread.join(10)
 
 
-class NoGauges:
-    samples = ()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
 def through_front(kind):
     return KINDS.get(kind, {}).get("path", "").startswith("OpenAI front")
 
@@ -476,11 +485,15 @@ def front_metrics_url(openai_base_url):
     return openai_base_url.rsplit("/v1", 1)[0] + "/metrics" if openai_base_url else None
 
 
-def front_gauges(stack, kind, interval_s=1.0):
-    """A GaugeSampler of the front for the kinds that go through it, else nothing."""
-    if not through_front(kind) or not stack.openai_base_url:
-        return NoGauges()
-    return GaugeSampler(front_metrics_url(stack.openai_base_url), interval_s)
+def phase_gauges(stack, kind, interval_s=1.0):
+    """A GaugeSampler of Triton's queues where the server is ours, and of the front for the
+    kinds that go through it."""
+    sources = []
+    if stack.metrics_url:
+        sources.append((f"http://{stack.metrics_url}/metrics", triton_queues_of))
+    if through_front(kind) and stack.openai_base_url:
+        sources.append((front_metrics_url(stack.openai_base_url), front_gauges_of))
+    return GaugeSampler(sources, interval_s)
 
 
 # Triton's request counters per model (docs/metrics in the server's user guide): requests
@@ -603,10 +616,10 @@ def run(stack, args):
                 log(f"{kind} at {factor}x ({users * factor} users), round {round_} of {args.rounds}")
                 stack.settle(args)
                 seen = stack.proxy.tally()
-                with front_gauges(stack, kind) as gauges:
+                with phase_gauges(stack, kind) as gauges:
                     figures = stack.drive(kind, args)(users * factor, args.phase_s)
                 if gauges.samples:
-                    figures["front_by_5s"] = gauges.by_5s()
+                    figures["gauges_by_5s"] = gauges.by_5s()
                 figures.update(kind=kind, factor=factor, round=round_, **KINDS[kind])
                 if "proxy" in kind:
                     figures["proxy_answers"] = stack.proxy.tally(since=seen)

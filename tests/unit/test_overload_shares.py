@@ -183,17 +183,23 @@ def serving_metrics(text_of_scrape):
         server.server_close()
 
 
-def test_the_fronts_admission_limit_is_sampled_while_a_front_kind_runs():
+def test_tritons_queues_and_the_fronts_admission_limit_are_sampled_while_a_phase_runs():
     limits = iter(range(40, 10, -1))
-    with serving_metrics(lambda: f"# HELP openai_front_admission_limit x\nopenai_front_admission_limit "
-                                 f"{next(limits)}.0\nopenai_front_in_flight 12.0\nopenai_front_requests_total 3.0\n"
-                         ) as port:
-        stack = SimpleNamespace(openai_base_url=f"http://127.0.0.1:{port}/v1")
-        assert isinstance(overload.front_gauges(stack, "backoff-bare"), overload.NoGauges)
-        with overload.front_gauges(stack, "openai-front", interval_s=0.02) as gauges:
+
+    def front_scrape():
+        return (f"# HELP openai_front_admission_limit x\nopenai_front_admission_limit {next(limits)}.0\n"
+                "openai_front_in_flight 12.0\nopenai_front_requests_total 3.0\n")
+
+    with serving_metrics(front_scrape) as front, serving_metrics(lambda: TRITON_SCRAPE) as triton:
+        stack = SimpleNamespace(openai_base_url=f"http://127.0.0.1:{front}/v1", metrics_url=f"127.0.0.1:{triton}")
+        with overload.phase_gauges(stack, "backoff-bare", interval_s=0.02) as bare:
+            time.sleep(0.2)
+        with overload.phase_gauges(stack, "openai-front", interval_s=0.02) as gauges:
             time.sleep(0.3)
+    assert bare.by_5s() == [{"t_s": 0, "queued describe": 9.0}]  # no front on its path
     steps = gauges.by_5s()
     assert len(steps) == 1 and steps[0]["t_s"] == 0 and steps[0]["openai_front_in_flight"] == 12.0
+    assert steps[0]["queued describe"] == 9.0
     assert 10 < steps[0]["openai_front_admission_limit"] < 40  # the mean of falling values
     assert all("openai_front_requests_total" not in values for _, values in gauges.samples)
 
