@@ -359,9 +359,11 @@ class Stack:
         """drive(users, seconds[, warmup_s]) -> a phase's figures, for one client kind, with
         the cores each process group used in its measured window (`cpu`, with_cpu) and,
         where the server is ours, what Triton did in it (`triton`)."""
-        counters = functools.partial(served_counters, self.metrics_url,
-                                     front_metrics_url(self.openai_base_url) if through_front(kind) else None)
-        return with_cpu(self._driver(kind, args), args.warmup_s, counters if self.metrics_url else None)
+        counters = None
+        if self.metrics_url:
+            front_url = front_metrics_url(self.openai_base_url) if through_front(kind) else None
+            counters = functools.partial(served_counters, self.metrics_url, front_url)
+        return with_cpu(self._driver(kind, args), args.warmup_s, counters)
 
     def _driver(self, kind, args):
         def c(url, backoff, openai=False, throttle_k=0.0, expect=False):
@@ -509,9 +511,9 @@ TRITON_COUNTERS = ("nv_inference_request_success", "nv_inference_request_failure
 FRONT_COUNTERS = ("openai_front_requests", "openai_front_errors")  # families: their samples end in _total
 
 
-def served_counters(metrics_url, front_metrics_url=None):
+def served_counters(metrics_url, front_url=None):
     """{"<counter> <label>...": count so far}: TRITON_COUNTERS by model (and reason), and the
-    FRONT_COUNTERS by status (and code) where a front is given."""
+    FRONT_COUNTERS by status (and code) where the front's /metrics URL is given."""
     def samples(url, names):
         import urllib.request
 
@@ -528,7 +530,7 @@ def served_counters(metrics_url, front_metrics_url=None):
     for s in samples(f"http://{metrics_url}/metrics", TRITON_COUNTERS):
         counted[" ".join(filter(None, (s.name.removesuffix("_total"), s.labels.get("model"),
                                        s.labels.get("reason"))))] += s.value
-    for s in samples(front_metrics_url, FRONT_COUNTERS) if front_metrics_url else ():
+    for s in samples(front_url, FRONT_COUNTERS) if front_url else ():
         counted[" ".join(filter(None, (s.name, s.labels["status"], s.labels.get("code"))))] += s.value
     return dict(counted)
 
