@@ -358,7 +358,8 @@ class Stack:
     def drive(self, kind, args):
         """drive(users, seconds[, warmup_s]) -> a phase's figures, for one client kind, with
         the cores each process group used in its measured window (`cpu`, with_cpu) and,
-        where the server is ours, what Triton did in it (`triton`)."""
+        where the server is ours, what Triton did in it (`triton`) and, for the kinds through
+        the front, the front's refusals (`front`)."""
         counters = None
         if self.metrics_url:
             front_url = front_metrics_url(self.openai_base_url) if through_front(kind) else None
@@ -417,6 +418,14 @@ def with_cpu(drive, default_warmup_s, counters=None):
 FRONT_GAUGES = ("openai_front_admission_limit", "openai_front_in_flight")
 
 
+def scrape(url, timeout_s=10):
+    """The text of a /metrics page."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()
+
+
 def front_gauges_of(text):
     """{gauge: value} of FRONT_GAUGES in the front's /metrics text."""
     return {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -446,15 +455,12 @@ class GaugeSampler:
         self.thread = threading.Thread(target=self._run, name="phase-gauges", daemon=True)
 
     def _run(self):
-        import urllib.request
-
         started = time.monotonic()
         while not self.stopped.wait(self.interval_s):
             values = {}
             for url, values_of in self.sources:
                 try:
-                    with urllib.request.urlopen(url, timeout=5) as response:
-                        values.update(values_of(response.read().decode()))
+                    values.update(values_of(scrape(url, timeout_s=5)))
                 except OSError:
                     continue  # a scrape lost under load is a gap, not a failure of the phase
             if values:
@@ -515,12 +521,9 @@ def served_counters(metrics_url, front_url=None):
     """{"<counter> <label>...": count so far}: TRITON_COUNTERS by model (and reason), and the
     FRONT_COUNTERS by status (and code) where the front's /metrics URL is given."""
     def samples(url, names):
-        import urllib.request
-
         from prometheus_client.parser import text_string_to_metric_families
 
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
+        text = scrape(url)
         # By family: the parser names a counter's sample <family>_total, whether or not the
         # exposition did (Triton's do not); its other samples (_created) are left out.
         return [s for family in text_string_to_metric_families(text) if family.name in names
@@ -578,12 +581,7 @@ def triton_per_model(counted, seconds):
 
 def pending_requests(metrics_url):
     """Requests queued in Triton, all models (nv_inference_pending_request_count)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("nv_inference_pending_request_count{"))
+    return sum(triton_queues_of(scrape(f"http://{metrics_url}/metrics")).values())
 
 
 def legacy_driver(args, grpc_url, image_path):

@@ -218,7 +218,6 @@ def test_the_answered_attempts_p99_is_judged_for_every_judged_kind_that_has_it()
                           ARGS) == []
 
 
-
 def test_what_triton_did_per_model_in_a_window_answers_failures_by_reason_and_the_mean_batch():
     counted = {"nv_inference_request_success classify_with_view": 600.0,
                "nv_inference_request_failure classify_with_view REJECTED": 30.0,
@@ -272,6 +271,7 @@ def test_the_served_counters_are_read_from_the_scrapes_each_key_summing_the_seri
     with serving_metrics(lambda: TRITON_SCRAPE) as triton, serving_metrics(lambda: FRONT_SCRAPE) as front:
         counted = overload.served_counters(f"127.0.0.1:{triton}", f"http://127.0.0.1:{front}/metrics")
         assert "openai_front_requests_total 200" not in overload.served_counters(f"127.0.0.1:{triton}")
+        assert overload.pending_requests(f"127.0.0.1:{triton}") == 9.0  # what settle() waits on
     assert counted == {"nv_inference_request_success describe": 600.0,
                        "nv_inference_request_failure describe REJECTED": 4.0,
                        "nv_inference_request_failure describe BACKEND": 0.0,
