@@ -155,7 +155,11 @@ def _refuse_body_early(request):
 def _authorized(request, key):
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    # aiohttp hands a header's bytes that are not UTF-8 over as lone surrogates, which .encode()
+    # refuses: surrogateescape gives back the bytes as sent, so such a token is compared (and
+    # refused, 401) instead of failing the request outside every handler (500).
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"),
+                                                              key.encode())
 
 
 @web.middleware
@@ -326,6 +330,9 @@ async def chat_completions(request):
         status = error.status
         if status >= 500:
             log.warning("openai_front: %s%s %s", request_id.log_tag(request), status, error.message)
+        raise
+    except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit (no Content-Length to refuse early)
+        status = 413
         raise
     except asyncio.CancelledError:
         # The client left (aiohttp's handler_cancellation): the gRPC call was

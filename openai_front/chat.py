@@ -22,6 +22,7 @@ DEFAULT_PORTS = (80, 443)     # the only ports of an allowlisted host, unless an
 # The describe step's bounds on the client's earlier messages (its `conversation`
 # parameter), checked here too so a request is refused before it costs a classification.
 MAX_CONVERSATION_MESSAGES = 32
+MAX_CONTENT_PARTS = 64  # parts of one message's content; counted before any is read
 MAX_CONVERSATION_CHARS = 32_000   # their text in all; also the bound on response_format's JSON
 
 # Every top-level field is honoured, accepted with the one value the pipeline
@@ -92,8 +93,8 @@ def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addres
             raise invalid("'stream_options' must be an object", param="stream_options")
         for key in sorted(options.keys() - {"include_usage"}):
             if options[key] is not None:
-                raise unsupported(f"'stream_options.{key}' is not supported: only include_usage",
-                                  f"stream_options.{key}")
+                raise unsupported(f"'stream_options.{key[:40]}' is not supported: only include_usage",
+                                  f"stream_options.{key[:40]}")
         include_usage = options.get("include_usage", False)
         if include_usage is None:
             include_usage = False
@@ -138,6 +139,11 @@ def _conversation(messages):
     conversation, the index of the last user message: the photo and question)."""
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty array", param="messages")
+    # Counted before any message is checked or copied: 900,000 tiny messages in a 29 MB body
+    # took 1.4 s of the front's CPU to refuse when the count came last.
+    if len(messages) > MAX_CONVERSATION_MESSAGES + 1:
+        raise invalid(f"{len(messages)} messages, more than the {MAX_CONVERSATION_MESSAGES + 1} allowed: at most "
+                      f"{MAX_CONVERSATION_MESSAGES} before the last user message", param="messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid(f"messages[{index}] must be an object with a 'role'", param=f"messages[{index}]")
@@ -161,9 +167,6 @@ def _conversation(messages):
                       "be the last message", param=f"messages[{last + 1}]")
     conversation = tuple({"role": CONVERSATION_ROLES[m["role"]], "content": _text_content(m.get("content"), i)}
                          for i, m in enumerate(messages[:last]))
-    if len(conversation) > MAX_CONVERSATION_MESSAGES:
-        raise invalid(f"{len(conversation)} messages come before the last user message, more than the "
-                      f"{MAX_CONVERSATION_MESSAGES} allowed", param="messages")
     chars = sum(len(m["content"]) for m in conversation)
     if chars > MAX_CONVERSATION_CHARS:
         raise invalid(f"the messages before the last user message hold {chars} characters, more than the "
@@ -179,6 +182,7 @@ def _text_content(content, index):
         return _valid_text(content, param)
     if not isinstance(content, list):
         raise invalid("'content' must be a string or an array of text parts", param=param)
+    _count_parts(content, param)
     texts = []
     for position, part in enumerate(content):
         where = f"{param}[{position}]"
@@ -187,9 +191,26 @@ def _text_content(content, index):
             raise unsupported("only the last user message may carry an image (the photo); an earlier message "
                               "cannot", where)
         if kind != "text":
-            raise invalid(f"unsupported content part type {kind!r} in an earlier message: only 'text'", param=where)
+            raise invalid(f"unsupported content part type {_shown(kind)} in an earlier message: only 'text'",
+                          param=where)
         texts.append(_text_part(part, where))
     return "\n".join(texts)
+
+
+def _count_parts(content, param):
+    if len(content) > MAX_CONTENT_PARTS:
+        raise invalid(f"'content' has {len(content)} parts, more than the {MAX_CONTENT_PARTS} allowed", param=param)
+
+
+def _shown(value):
+    """A client's value for an error message: a short string as it came, anything else by its JSON
+    type only (the repr of a deeply nested list runs out of stack; a long one would be echoed whole)."""
+    if isinstance(value, str):
+        return repr(value[:40])
+    return "None" if value is None else f"of JSON type {_JSON_TYPES.get(type(value), type(value).__name__)}"
+
+
+_JSON_TYPES = {dict: "object", list: "array", bool: "boolean", int: "number", float: "number"}
 
 
 def _text_part(part, where):
@@ -215,7 +236,8 @@ def _response_format(value):
     if not isinstance(value, dict):
         raise invalid("'response_format' must be an object with a 'type'", param="response_format")
     kind = value.get("type")
-    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(kind)
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}.get(
+        kind if isinstance(kind, str) else None)
     if allowed is None:
         raise invalid("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
                       param="response_format.type")
@@ -226,7 +248,10 @@ def _response_format(value):
         return None
     if kind == "json_schema":
         _json_schema(value.get("json_schema"))
-    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except RecursionError:  # orjson parses 1,024 levels; json.dumps runs out of stack before that
+        raise invalid("'response_format' is nested too deeply", param="response_format") from None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -260,6 +285,7 @@ def _user_content(content, param):
                       "{'type': 'image_url', 'image_url': {'url': 'data:image/jpeg;base64,...'}} part", param=param)
     if not isinstance(content, list):
         raise invalid("'content' must be a string or an array of parts", param=param)
+    _count_parts(content, param)
     texts, urls = [], []
     for position, part in enumerate(content):
         where = f"{param}[{position}]"
@@ -273,7 +299,7 @@ def _user_content(content, param):
                 raise invalid("an image_url part needs 'image_url': {'url': ...}", param=where)
             urls.append(url)
         else:
-            raise invalid(f"unsupported content part type {kind!r}: only 'text' and 'image_url'", param=where)
+            raise invalid(f"unsupported content part type {_shown(kind)}: only 'text' and 'image_url'", param=where)
     if not urls:
         raise invalid("the last user message has no image_url part", param=param)
     if len(urls) > 1:

@@ -150,8 +150,8 @@ def test_the_conversation_limits_are_inclusive():
     most = [{"role": "user", "content": "x"}] * chat.MAX_CONVERSATION_MESSAGES
     assert len(chat.parse(body(*most), 100).conversation) == chat.MAX_CONVERSATION_MESSAGES
     error = refusal(body(*most, {"role": "user", "content": "x"}))
-    assert (error.param, error.message) == ("messages", "33 messages come before the last user message, more than "
-                                                        "the 32 allowed")
+    assert (error.param, error.message) == ("messages", "34 messages, more than the 33 allowed: at most 32 before "
+                                                        "the last user message")
     longest = {"role": "user", "content": "x" * chat.MAX_CONVERSATION_CHARS}
     assert chat.parse(body(longest), 100).conversation[0]["content"] == longest["content"]
     error = refusal(body(longest, {"role": "user", "content": "y"}))
@@ -297,3 +297,63 @@ def test_base64_just_within_the_early_bound_is_decoded_and_then_measured():
     with pytest.raises(FrontError) as info:
         chat.decode_data_uri("data:;base64,QUJDRA==", 3)
     assert (info.value.status, info.value.message) == (413, "the image is 4 bytes, more than the 3 allowed")
+
+
+def nested(depth):
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+# What a hostile client sends to make the front answer 500 or burn its CPU (an independent
+# review, 2026-12-06): each is a 400 naming its field, echoing at most 40 characters of it.
+HOSTILE = {
+    "a part's type nested 1,000 deep, earlier message": (
+        body({"role": "system", "content": [{"type": nested(1000)}]}), "messages[0].content[0]",
+        "unsupported content part type of JSON type array in an earlier message: only 'text'"),
+    "a part's type nested 1,000 deep, last message": (
+        body(content=[IMAGE, {"type": nested(1000)}]), "messages[0].content[1]",
+        "unsupported content part type of JSON type array: only 'text' and 'image_url'"),
+    "a part's type a megabyte long": (
+        body(content=[IMAGE, {"type": "t" * 2**20}]), "messages[0].content[1]",
+        f"unsupported content part type {'t' * 40!r}: only 'text' and 'image_url'"),
+    "response_format.type an array": (
+        body(response_format={"type": []}), "response_format.type",
+        "'response_format.type' must be 'text', 'json_object' or 'json_schema'"),
+    "response_format.type an object": (
+        body(response_format={"type": {"a": 1}}), "response_format.type",
+        "'response_format.type' must be 'text', 'json_object' or 'json_schema'"),
+    "a schema nested 1,000 deep": (
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"a": nested(1000)}}}),
+        "response_format", "'response_format' is nested too deeply"),
+    "a stream_options key a megabyte long": (
+        body(stream=True, stream_options={"k" * 2**20: 1}), "stream_options." + "k" * 40,
+        f"'stream_options.{'k' * 40}' is not supported: only include_usage"),
+    "100,000 earlier messages": (
+        body(*[{"role": "system", "content": "a"}] * 100_000), "messages",
+        "100001 messages, more than the 33 allowed: at most 32 before the last user message"),
+    "100,000 text parts in an earlier message": (
+        body({"role": "system", "content": [{"type": "text", "text": ""}] * 100_000}), "messages[0].content",
+        "'content' has 100000 parts, more than the 64 allowed"),
+    "100,000 text parts beside the photo": (
+        body(content=[IMAGE, *[{"type": "text", "text": ""}] * 99_999]), "messages[0].content",
+        "'content' has 100000 parts, more than the 64 allowed"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=list(HOSTILE))
+def test_hostile_fields_are_a_400_naming_the_field_not_a_500(case):
+    payload, param, message = HOSTILE[case]
+    error = refusal(payload)
+    assert (error.status, error.param, error.message) == (400, param, message)
+
+
+def test_the_message_and_part_counts_are_inclusive():
+    most = [{"role": "system", "content": "x"}] * chat.MAX_CONVERSATION_MESSAGES
+    assert len(chat.parse(body(*most), 100).conversation) == chat.MAX_CONVERSATION_MESSAGES
+    parts = [{"type": "text", "text": "a"}] * chat.MAX_CONTENT_PARTS
+    assert chat.parse(body({"role": "system", "content": parts}), 100).conversation[0]["content"] == \
+        "\n".join(["a"] * chat.MAX_CONTENT_PARTS)
+    assert chat.parse(body(content=[IMAGE, *parts[1:]]), 100).prompt == "\n".join(["a"] * (chat.MAX_CONTENT_PARTS - 1))
+    assert refusal(body(content=[IMAGE, *parts])).param == "messages[0].content"

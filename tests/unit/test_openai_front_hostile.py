@@ -13,7 +13,7 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestServer
-from test_openai_front import StalledPool, body, front_with, until
+from test_openai_front import StalledPool, body, front_with, until, value
 
 from openai_front import __main__ as front_main
 from openai_front import app as front_app
@@ -100,6 +100,46 @@ def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_bod
     (status, sent, answered_s), (status_at_limit, _, _) = asyncio.run(main())
     assert status == 413 == status_at_limit and b"image_too_large" in sent
     assert answered_s < 2 and b"Connection: close" in sent
+
+
+def test_a_chunked_body_over_the_limit_is_413_and_counted_as_413_not_500():
+    """No Content-Length to refuse from: aiohttp stops reading at the limit. The client got its
+    413 before, but the request counter said 500 (what a 5xx alert reads)."""
+    pool = StalledPool()
+    app = front_with(pool, max_image_bytes=1024)
+    limit = front_app.max_body_bytes(app[front_app.SETTINGS])
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
+
+    async def main():
+        async with await serving(app) as server:
+            answer = await raw_exchange(server.port, head, chunk * (limit // 0x10000 + 2) + b"0\r\n\r\n")
+            await valid_request_is_served(server.port, pool)
+            return answer, app[front_app.METRICS].render()
+
+    (status, sent, _), metrics = asyncio.run(main())
+    assert status == 413 and b"image_too_large" in sent
+    assert value(metrics, "openai_front_requests_total", model="other", stream="false", status="413") == 1
+    assert not value(metrics, "openai_front_requests_total", model="other", stream="false", status="500")
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions")])
+def test_a_bearer_token_that_is_not_utf8_is_401_in_openais_format(method, path):
+    """aiohttp hands such header bytes over as lone surrogates; encoding them failed the request
+    outside every handler: a text/plain 500 and a traceback in the log."""
+    pool = StalledPool()
+    app = front_with(pool, api_key="sk-front-key")
+    head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n".encode()
+            + b"Authorization: Bearer \xff\xfe\r\n\r\n")
+
+    async def main():
+        async with await serving(app) as server:
+            return await raw_exchange(server.port, head)
+
+    status, sent, _ = asyncio.run(main())
+    assert status == 401 and b'"code":"invalid_api_key"' in sent.replace(b" ", b"")
+    assert b"sk-front-key" not in sent
 
 
 def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot():
