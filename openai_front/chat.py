@@ -102,7 +102,7 @@ def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addres
             raise invalid("'stream_options.include_usage' must be true or false", param="stream_options.include_usage")
 
     image = None
-    if image_url.startswith("data:"):
+    if image_url[:5].lower() == "data:":  # a scheme is case-insensitive (RFC 3986)
         image = decode_data_uri(image_url, max_image_bytes, param=f"messages[{index}].content")
         image_url = None
     else:
@@ -249,9 +249,12 @@ def _response_format(value):
     if kind == "json_schema":
         _json_schema(value.get("json_schema"))
     try:
-        text = json.dumps(value, ensure_ascii=False)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except RecursionError:  # orjson parses 1,024 levels; json.dumps runs out of stack before that
         raise invalid("'response_format' is nested too deeply", param="response_format") from None
+    except ValueError:  # the stdlib's reading of the body lets NaN and Infinity through; JSON has neither
+        raise invalid("'response_format' holds NaN or Infinity, which JSON does not have",
+                      param="response_format") from None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

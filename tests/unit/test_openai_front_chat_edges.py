@@ -327,6 +327,12 @@ HOSTILE = {
     "a schema nested 1,000 deep": (
         body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"a": nested(1000)}}}),
         "response_format", "'response_format' is nested too deeply"),
+    "NaN in a schema (the stdlib's reading of the body lets it through)": (
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"max": float("nan")}}}),
+        "response_format", "'response_format' holds NaN or Infinity, which JSON does not have"),
+    "Infinity in a schema": (
+        body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"max": float("inf")}}}),
+        "response_format", "'response_format' holds NaN or Infinity, which JSON does not have"),
     "a stream_options key a megabyte long": (
         body(stream=True, stream_options={"k" * 2**20: 1}), "stream_options." + "k" * 40,
         f"'stream_options.{'k' * 40}' is not supported: only include_usage"),
@@ -357,3 +363,8 @@ def test_the_message_and_part_counts_are_inclusive():
         "\n".join(["a"] * chat.MAX_CONTENT_PARTS)
     assert chat.parse(body(content=[IMAGE, *parts[1:]]), 100).prompt == "\n".join(["a"] * (chat.MAX_CONTENT_PARTS - 1))
     assert refusal(body(content=[IMAGE, *parts])).param == "messages[0].content"
+
+
+@pytest.mark.parametrize("scheme", ["data:", "DATA:", "Data:"])
+def test_a_data_uri_is_read_whatever_the_case_of_its_scheme(scheme):
+    assert chat.parse(body(content=[{"type": "image_url", "image_url": {"url": scheme + URI[5:]}}]), 100).image == b"img"
