@@ -365,8 +365,10 @@ class Describer:
                 breaker.record_success(ticket)
                 return Answer(value, breaker, ticket)
 
-            if failure.reason == "timeout" and timeout < timeout_s:
-                # An attempt cut short by our deadline had no fair chance: no verdict.
+            if failure.reason == "timeout" and timeout < self.settings.timeout_s:
+                # An attempt cut short (by our deadline, or by the client's own shorter timeout_s)
+                # had no fair chance: no verdict, or two clients asking 1 ms would open the circuit
+                # for everyone.
                 failure = dataclasses.replace(failure, upstream_fault=False)
             if failure.upstream_fault:
                 breaker.record_failure(ticket)

@@ -16,6 +16,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import string
 from dataclasses import dataclass, field
 
@@ -33,6 +34,10 @@ TEMPLATE_FIELDS = {"prompt", "labels", "top_label"}
 ON_FAILURE = ("fallback", "error")
 VISION = ("off", "on", "auto")
 VISION_DETAIL = ("low", "high", "auto")
+MAX_MODEL_NAME = 256
+# What a request's `model` may hold: the ids of OpenAI, DeepSeek, vLLM (Qwen/Qwen2-VL-7B-Instruct),
+# Ollama (llava:13b) and dated snapshots, no whitespace or control characters.
+REQUEST_MODEL_NAME = re.compile(rf"[A-Za-z0-9_.:/@+-]{{1,{MAX_MODEL_NAME}}}")
 
 
 class ConfigError(ValueError):
@@ -150,6 +155,11 @@ class Settings:
         model = params.get("model", self.model)
         if not isinstance(model, str) or not model:
             raise InvalidOverride("parameter 'model' must be a non-empty string", "model")
+        # A glob's * matches anything, newlines and megabytes included, and an admitted name is kept
+        # (breaker, metric labels, log lines): names are held to what model ids are made of.
+        if "model" in params and not REQUEST_MODEL_NAME.fullmatch(model):
+            raise InvalidOverride(f"parameter 'model' must be 1 to {MAX_MODEL_NAME} letters, digits or ._:/@+- "
+                                  "(a model id)", "model")
         if not self.is_model_allowed(model):
             raise InvalidOverride(f"model '{model}' is not allowed here (allowed_models)", "model")
         temperature = _number(params, "temperature", self.temperature)
