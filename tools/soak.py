@@ -423,6 +423,18 @@ def _parameter_cases(coffee):
                          ({"max_tokens": 10.5}, "max_tokens")]:
         cases.append(Case(f"parameters:{json.dumps(params)}", "parameters",
                           inputs=[_image(coffee), _prompt(b"what is it?")], parameters=params, mention=word))
+    # What the OpenAI front never passes on but a direct client can: JSON that is nested too deeply
+    # or cannot be sent upstream as it came, and a model name a glob would let through. Each once
+    # failed outside the error contract or opened the LLM's circuit for the valid traffic beside it.
+    for name, params, word in [
+            ("conversation_nested", {"conversation": "[" * 1000 + "]" * 1000}, "nested too deeply"),
+            ("response_format_nan", {"response_format": '{"type":"text","x":NaN}'}, "NaN"),
+            ("response_format_int65", {"response_format": json.dumps({"type": "json_object", "x": 2 ** 64})},
+             "cannot be sent on as JSON"),
+            ("model_newline", {"model": "gpt-4o-mini\n[describe] forged"}, "model id")]:
+        for protocol in ("http", "grpc"):
+            cases.append(Case(f"parameters:{protocol}:{name}", "parameters", protocol=protocol,
+                              inputs=[_image(coffee), _prompt(b"what is it?")], parameters=params, mention=word))
     return cases
 
 
