@@ -359,7 +359,7 @@ def hostile_corpus(images, seed=0):
     rng = np.random.default_rng(seed)
     cat, coffee = images["chelsea"], images["coffee"]
     return [*_image_cases(cat, coffee, rng), *_prompt_cases(cat, rng), *_parameter_cases(coffee),
-            *_protocol_cases("http", cat), *_protocol_cases("grpc", cat), *_raw_cases(rng)]
+            *_protocol_cases("http", cat), *_protocol_cases("grpc", cat), *_raw_cases(rng), *_utf8_cases(coffee)]
 
 
 def _image_cases(cat, coffee, rng):
@@ -463,6 +463,29 @@ def _protocol_cases(protocol, cat):
                       inputs=[_image(cat), ("IMAGEZ", "BYTES", np.array([[b"x"]], np.object_))]))
     cases.append(Case(f"unknown_model:{protocol}", "shape", protocol=protocol, model="no_such_model",
                       inputs=[_image(cat)]))
+    return cases
+
+
+def _utf8_cases(coffee):
+    """Bytes that are not UTF-8 where Triton's HTTP front end passes them on as they came: a request
+    parameter failed the describe step outside its error contract (a 500 with its traceback); an id
+    or a trace header that is not text gets a new id and no trace."""
+    import tritonclient.http as httpclient
+
+    image = httpclient.InferInput("IMAGE", [1, 1], "BYTES")
+    image.set_data_from_numpy(np.array([[coffee]], dtype=np.object_), binary_data=True)
+    outputs = [httpclient.InferRequestedOutput(name, binary_data=False) for name in ("DESCRIPTION", "USAGE")]
+    body, header_length = httpclient.InferenceServerClient.generate_request_body(
+        [image], outputs, request_id="MARKER-ID", parameters={"model": "MARKER"})
+    header, rest = body[:header_length], body[header_length:]
+    cases = []
+    for name, old, new, expect, word in [
+            ("parameter_model", b'"model":"MARKER"', b'"model":"gpt-4o-mini\xff\xfe"', "error", "UTF-8"),
+            ("parameter_conversation", b'"model":"MARKER"', b'"conversation":"[\xff]"', "error", "UTF-8"),
+            ("request_id", b'"MARKER-ID"', b'"id-\xff\xfe"', "ok", None)]:
+        changed = header.replace(old, new).replace(b'"model":"MARKER"', b'"temperature":0.5')
+        cases.append(Case(f"raw:not_utf8:{name}", "raw", raw_body=changed + rest, expect=expect, mention=word,
+                          raw_headers={"Inference-Header-Content-Length": str(len(changed))}))
     return cases
 
 

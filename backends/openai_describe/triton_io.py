@@ -67,7 +67,10 @@ class Dialogue:
 
 def read_parameters(request, settings):
     """(Overrides, Dialogue) from the request parameters; raises InvalidOverride."""
-    params = json.loads(request.parameters() or "{}")
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except UnicodeDecodeError:  # Triton passes an HTTP client's bytes on as they came
+        raise InvalidOverride("a request parameter is not valid UTF-8", "parameters") from None
     overrides = settings.resolve_overrides(params)
     return overrides, Dialogue(read_conversation(params, settings), read_response_format(params, settings))
 
@@ -76,7 +79,10 @@ def read_request_id(request):
     """The request's id for its log lines and its LLM call: Triton's request id
     (the OpenAI front's X-Request-ID, a tritonclient caller's request_id) when
     it is a valid one, else a new id (request_id.py)."""
-    return ids.accept(request.request_id())
+    try:
+        return ids.accept(request.request_id())
+    except UnicodeDecodeError:  # not a valid id either: the request gets a new one
+        return ids.new()
 
 
 def read_jobs(request, settings, request_models):
@@ -122,7 +128,10 @@ def upstream_trace(request):
     parent is Triton's span for this model step (what request.trace() holds in
     OpenTelemetry mode), so the upstream's spans join the request's trace under
     this step (docs/tracing.md)."""
-    context = request.trace().get_context()
+    try:
+        context = request.trace().get_context()
+    except UnicodeDecodeError:  # a client's traceparent bytes, passed on as they came
+        return ()
     if not context:
         return ()
     try:

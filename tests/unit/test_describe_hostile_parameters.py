@@ -119,3 +119,35 @@ def test_model_ids_as_providers_write_them_pass_the_name_rule(fake_pb_utils_modu
         assert json.loads(outputs(req.get_response_sender().wait(20))["USAGE"])["model"] == name
     finally:
         model.finalize()
+
+
+def not_utf8(*args):
+    """What the real stub raises where Triton passed a client's bytes on as they came."""
+    raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+
+@pytest.mark.parametrize("where", ["parameters", "request_id", "trace"])
+def test_bytes_that_are_not_utf8_fail_alone_or_are_replaced(fake_pb_utils_module, fake, monkeypatch, where):
+    """Over HTTP a parameter, an id or a traceparent may hold any bytes; reading one raised
+    UnicodeDecodeError out of execute() (a 500 with our traceback). A parameter is refused
+    naming it; an id is replaced by a new one and a trace context dropped, the request served."""
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url)
+    try:
+        req = request(pb_utils)
+        if where == "trace":
+            monkeypatch.setattr(req._trace, "get_context", not_utf8)
+        else:
+            monkeypatch.setattr(req, where, not_utf8)
+        model.execute([req])
+        response = req.get_response_sender().wait(20)
+        if where == "parameters":
+            assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+            assert response.error().message() == ("[code=invalid_parameter field=parameters] "
+                                                  "a request parameter is not valid UTF-8")
+            assert fake.stats()["requests"] == 0
+        else:
+            assert outputs(response)["DESCRIPTION_SOURCE"] == "llm"
+            assert fake.stats()["traceparents"] == [None]
+    finally:
+        model.finalize()
