@@ -28,7 +28,9 @@ class TritonRequestError(RuntimeError):
     """One request failed; the other requests are unaffected.
 
     `infer` raises it when the server answered with an error (a bad image, a
-    limit, an unknown model, UNAVAILABLE). `infer_many` reports every failure of
+    limit, an unknown model, UNAVAILABLE), or with an answer that is not the
+    ensemble's outputs (one missing, of another shape or type: a proxy or a
+    misconfigured server; `stream` the same for a malformed event). `infer_many` reports every failure of
     one image with it: also no answer (connection refused or closed, timed out)
     and a file that cannot be read, with the original error as `__cause__`.
 
@@ -248,8 +250,15 @@ class _StreamState:
     def __init__(self):
         self.started = time.perf_counter()
         self.labels, self.scores, self.parts = [], [], []
+        self.done = False
 
     def events(self, outputs):
+        try:
+            yield from self._events(outputs)
+        except (TypeError, ValueError, IndexError, KeyError) as error:
+            raise _bad_answer(error) from error
+
+    def _events(self, outputs):
         if "LABELS" in outputs:
             self.labels = [_text(v) for v in outputs["LABELS"]]
             self.scores = [float(v) for v in outputs["SCORES"]]
@@ -264,6 +273,7 @@ class _StreamState:
                 usage = json.loads(usage_text)
             except json.JSONDecodeError:
                 usage = {"raw": usage_text}
+            self.done = True
             yield StreamEvent("done", result=Result(
                 labels=self.labels, scores=self.scores, description="".join(self.parts),
                 description_source=_text(outputs["DESCRIPTION_SOURCE"]), usage=usage,
@@ -273,9 +283,12 @@ class _StreamState:
 def _grpc_outputs(result):
     """{name: the first row's value(s)} of one gRPC stream response."""
     outputs = {}
-    for output in result.get_response().outputs:
-        value = result.as_numpy(output.name)[0]
-        outputs[output.name] = value if output.name in ("LABELS", "SCORES") else value[0]
+    try:
+        for output in result.get_response().outputs:
+            value = result.as_numpy(output.name)[0]
+            outputs[output.name] = value if output.name in ("LABELS", "SCORES") else value[0]
+    except (TypeError, ValueError, IndexError) as error:
+        raise _bad_answer(error) from error
     return outputs
 
 
@@ -284,7 +297,12 @@ def _sse_outputs(line):
     raises TritonRequestError for an error event."""
     if not line.startswith("data:"):
         return None
-    event = json.loads(line[5:])
+    try:
+        event = json.loads(line[5:])
+    except ValueError as error:
+        raise _bad_answer(error) from error
+    if not isinstance(event, dict):
+        raise _bad_answer(ValueError(f"an event is a JSON {type(event).__name__}, not an object"))
     if "error" in event:
         raise TritonRequestError(event["error"], answered=True)
     outputs = {}
@@ -293,6 +311,20 @@ def _sse_outputs(line):
             value = event[name]
             outputs[name] = value if name in ("LABELS", "SCORES") or not isinstance(value, list) else value[0]
     return outputs
+
+
+ERROR_BODY_BYTES = 65536  # of a refused stream's body, for its message
+
+
+def _http_refusal(status, body):
+    """TritonRequestError for a generate_stream request answered `status`, with Triton's
+    {"error": ...} message when the body holds one."""
+    try:
+        message = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        message = ""
+    return TritonRequestError(f"HTTP {status}" + (f": {str(message)[:500]}" if message else ""),
+                              retryable=status == 503, answered=True)
 
 
 def _generate_body(image, prompt, parameters):
@@ -342,18 +374,44 @@ def _text(value):
 
 
 def _parse(result, latency_ms):
-    labels = [_text(v) for v in result.as_numpy("LABELS")[0]]
-    scores = [float(v) for v in result.as_numpy("SCORES")[0]]
-    usage_text = _text(result.as_numpy("USAGE")[0][0])
+    """The Result of an answer; TritonRequestError when the answer is not the ensemble's outputs
+    (one is missing, of another shape or type): never a Result made of the wrong values."""
+    try:
+        labels = [_text(v) for v in _row(result, "LABELS")]
+        scores = [float(v) for v in _row(result, "SCORES")]
+        if len(labels) != len(scores):
+            raise ValueError(f"{len(labels)} LABELS and {len(scores)} SCORES")
+        description, source, usage_text = (_text(_one(result, name))
+                                           for name in ("DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"))
+    except (TypeError, ValueError, IndexError, KeyError) as error:
+        raise _bad_answer(error) from error
     try:
         usage = json.loads(usage_text)
     except json.JSONDecodeError:
         usage = {"raw": usage_text}
-    return Result(
-        labels=labels, scores=scores,
-        description=_text(result.as_numpy("DESCRIPTION")[0][0]),
-        description_source=_text(result.as_numpy("DESCRIPTION_SOURCE")[0][0]),
-        usage=usage, latency_ms=latency_ms)
+    return Result(labels=labels, scores=scores, description=description, description_source=source,
+                  usage=usage, latency_ms=latency_ms)
+
+
+def _row(result, name):
+    """The one row of a [1, k] output."""
+    array = result.as_numpy(name)
+    if array is None or array.ndim != 2 or array.shape[0] != 1:
+        raise ValueError(f"output {name} is {'missing' if array is None else f'of shape {list(array.shape)}'}, "
+                         "not [1, k]")
+    return array[0]
+
+
+def _one(result, name):
+    row = _row(result, name)
+    if len(row) != 1:
+        raise ValueError(f"output {name} has {len(row)} values, not 1")
+    return row[0]
+
+
+def _bad_answer(error):
+    return TritonRequestError(f"the server's answer is not the ensemble's outputs: {str(error)[:200]}",
+                              answered=True)
 
 
 def _key_headers(protocol, inference_key):
@@ -399,7 +457,11 @@ class Client(_Throttling):
 
         `retries`: how many times to resend a request that got no answer
         (connection refused or broken, e.g. while the server restarts) or
-        UNAVAILABLE; 0 (the default) never resends. Errors about the request
+        UNAVAILABLE; 0 (the default) never resends. (Over HTTP the sync client's
+        transport, geventhttpclient, itself sends a request again, up to twice, when
+        its connection closes before any answer, as it does for a keep-alive
+        connection the server closed while idle; gRPC and AsyncClient do not.)
+        Errors about the request
         itself (INVALID_ARG: a bad image, a limit) are never resent, nor is a
         request that timed out (the server may still be working on it).
         Attempts the throttle holds back unsent do not use a resend (up to
@@ -456,6 +518,8 @@ class Client(_Throttling):
             responses = self._http_stream(image, prompt, parameters, model_name)
         for outputs in responses:
             yield from state.events(outputs)
+            if state.done:  # "done" is the last event, whatever the server sends after it
+                return
 
     def _grpc_stream(self, image, prompt, parameters, model_name):
         import queue
@@ -477,7 +541,11 @@ class Client(_Throttling):
                     pass
                 raise _request_error(error, self._module, self._timeout_s) from None
             while True:
-                result, error = answers.get(timeout=self._timeout_s)
+                try:
+                    result, error = answers.get(timeout=self._timeout_s)
+                except queue.Empty:
+                    raise TritonRequestError(f"the stream sent nothing more for {self._timeout_s:g} s and no "
+                                             "final response", retryable=True) from None
                 if error is not None:
                     raise _request_error(error, self._module, self._timeout_s) from None
                 response = result.get_response()
@@ -497,12 +565,12 @@ class Client(_Throttling):
                                body=_generate_body(image, prompt, parameters),
                                headers={"Content-Type": "application/json", **(self._headers or {})})
             response = connection.getresponse()
+            if response.status != 200:  # before any event: a failed request's body is no stream
+                raise _http_refusal(response.status, response.read(ERROR_BODY_BYTES))
             for raw in response:
-                outputs = _sse_outputs(raw.decode("utf-8").strip())
+                outputs = _sse_outputs(raw.decode("utf-8", "replace").strip())
                 if outputs is not None:
                     yield outputs
-            if response.status != 200:
-                raise TritonRequestError(f"HTTP {response.status}", answered=True)
         finally:
             connection.close()  # early: the server sees the connection go
 
@@ -622,6 +690,8 @@ class AsyncClient(_Throttling):
             async for outputs in responses:
                 for event in state.events(outputs):
                     yield event
+                if state.done:  # "done" is the last event, whatever the server sends after it
+                    return
 
     async def _grpc_stream(self, image, prompt, parameters, model_name):
         inputs, _ = _build_inputs(self._module, image, prompt)
@@ -648,15 +718,19 @@ class AsyncClient(_Throttling):
         import aiohttp
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as session:
+            # No redirect followed: it would send the photo and the inference key to another host.
             async with session.post(f"http://{self._url}/v2/models/{model_name}/generate_stream",
-                                    data=_generate_body(image, prompt, parameters),
+                                    data=_generate_body(image, prompt, parameters), allow_redirects=False,
                                     headers={"Content-Type": "application/json", **(self._headers or {})}) as response:
-                async for raw in response.content:
-                    outputs = _sse_outputs(raw.decode("utf-8").strip())
-                    if outputs is not None:
-                        yield outputs
-                if response.status != 200:
-                    raise TritonRequestError(f"HTTP {response.status}", answered=True)
+                if response.status != 200:  # before any event: a failed request's body is no stream
+                    raise _http_refusal(response.status, await response.content.read(ERROR_BODY_BYTES))
+                try:
+                    async for raw in response.content:
+                        outputs = _sse_outputs(raw.decode("utf-8", "replace").strip())
+                        if outputs is not None:
+                            yield outputs
+                except aiohttp.http_exceptions.LineTooLong as error:
+                    raise _bad_answer(error) from error
 
     async def close(self):
         await self._client.close()
