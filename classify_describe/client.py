@@ -318,9 +318,13 @@ ERROR_BODY_BYTES = 65536  # of a refused stream's body, for its message
 
 def _http_refusal(status, body):
     """TritonRequestError for a generate_stream request answered `status`, with Triton's
-    {"error": ...} message when the body holds one."""
+    {"error": ...} message when the body holds one: as JSON, or as the stream's first event
+    (how Triton answers a request it refuses, 400 for a bad image)."""
+    text = body.decode("utf-8", "replace").strip()
+    if text.startswith("data:"):
+        text = text[5:].split("\n", 1)[0]
     try:
-        message = json.loads(body)["error"]
+        message = json.loads(text)["error"]
     except (ValueError, KeyError, TypeError):
         message = ""
     return TritonRequestError(f"HTTP {status}" + (f": {str(message)[:500]}" if message else ""),

@@ -134,6 +134,12 @@ def test_a_failed_status_is_an_error_before_any_event_its_message_kept(canned, a
     with pytest.raises(TritonRequestError, match="HTTP 503: model is not ready") as raised:
         stream(url, asynchronous)
     assert raised.value.retryable and raised.value.answered
+    # How Triton refuses a bad image: 400, its message as the stream's one event.
+    _, url = canned(sse({"error": "[code=invalid_input field=IMAGE] IMAGE is not a recognised image file"}),
+                    status=400)
+    with pytest.raises(TritonRequestError, match="HTTP 400: .*IMAGE is not a recognised") as raised:
+        stream(url, asynchronous)
+    assert not raised.value.retryable and raised.value.answered
 
 
 def test_an_event_line_past_the_async_readers_limit_is_a_request_error(canned):
