@@ -20,10 +20,12 @@ from .errors import FrontError, invalid, too_large
 MAX_TOKENS_LIMIT = 2**31 - 1  # far above any model's output; the describe step then applies its own limit
 DEFAULT_PORTS = (80, 443)     # the only ports of an allowlisted host, unless an entry says host:port
 # The describe step's bounds on the client's earlier messages (its `conversation`
-# parameter), checked here too so a request is refused before it costs a classification.
+# parameter) and on the question (its `max_prompt_chars`), checked here too so a
+# request is refused before it costs a classification.
 MAX_CONVERSATION_MESSAGES = 32
 MAX_CONTENT_PARTS = 64  # parts of one message's content; counted before any is read
 MAX_CONVERSATION_CHARS = 32_000   # their text in all; also the bound on response_format's JSON
+MAX_PROMPT_CHARS = 2_000  # the question: the last user message's text parts, joined
 
 # Every top-level field is honoured, accepted with the one value the pipeline
 # gives anyway, accepted and ignored (OpenAI's own bookkeeping, which does not
@@ -308,6 +310,9 @@ def _user_content(content, param):
     if len(urls) > 1:
         raise invalid(f"the last user message has {len(urls)} images; send one per request", param=param)
     prompt = "\n".join(t for t in texts if t.strip()).strip()
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise invalid(f"the question (the text parts of the last user message) has {len(prompt)} characters, "
+                      f"more than the {MAX_PROMPT_CHARS} allowed", param=param)
     return prompt or None, urls[0]
 
 

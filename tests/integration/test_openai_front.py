@@ -286,6 +286,28 @@ def test_sampling_parameters_reach_the_describe_step_and_its_limits_answer_400(s
     assert "temperature" in refused.value.message
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_front_bounds_the_question_where_the_served_describe_step_does_before_any_classification(
+        sdk, stream_model, photos, llm, stream):
+    """The longest question the describe step takes gets its answer; one character more is the
+    front's own 400, sent before Triton (and so the classifier) sees the request."""
+    from openai_front import chat
+
+    photo = data_uri(photos["coffee"])
+    longest = unique_prompt("Describe it.").ljust(chat.MAX_PROMPT_CHARS, "x")
+    answer = sdk.chat.completions.create(model=MODEL, stream=stream, messages=user_message(photo, longest))
+    text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices) if stream else \
+        answer.choices[0].message.content
+    assert text.startswith("Fake answer #")
+    assert longest in llm.admin("stats")["bodies"][-1]["messages"][-1]["content"][0]["text"]
+    before = len(llm.admin("stats")["bodies"])
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, stream=stream, messages=user_message(photo, longest + "y"))
+    assert refused.value.param == "messages[0].content"
+    assert "the question (the text parts of the last user message) has 2001 characters" in refused.value.message
+    assert len(llm.admin("stats")["bodies"]) == before
+
+
 def test_models_lists_what_can_be_asked_for(sdk):
     assert [m.id for m in sdk.models.list().data] == [MODEL]
     assert sdk.models.retrieve(MODEL).id == MODEL

@@ -159,6 +159,16 @@ def test_the_conversation_limits_are_inclusive():
                                                         "characters, more than the 32000 allowed")
 
 
+def test_the_question_is_bounded_as_the_describe_step_bounds_it_counted_after_joining_its_parts():
+    longest = "x" * chat.MAX_PROMPT_CHARS
+    assert chat.parse(body(content=[{"type": "text", "text": f"  {longest} "}, IMAGE]), 100).prompt == longest
+    half = "y" * (chat.MAX_PROMPT_CHARS // 2)
+    error = refusal(body(content=[{"type": "text", "text": half}, IMAGE, {"type": "text", "text": half}]))
+    assert (error.param, error.message) == ("messages[0].content", "the question (the text parts of the last user "
+                                                                   "message) has 2001 characters, more than the "
+                                                                   "2000 allowed")
+
+
 def test_the_prompt_is_the_non_blank_text_parts_joined():
     text = [{"type": "text", "text": " "}, {"type": "text", "text": " a "}, IMAGE, {"type": "text", "text": "b"}]
     assert chat.parse(body(content=text), 100).prompt == "a \nb"
