@@ -445,7 +445,7 @@ BAD_REQUESTS = {
     "max_tokens not a number": ({"max_tokens": "lots"}, 400, "max_tokens"),
     "remote URL": ({"messages": user_message("http://169.254.169.254/latest/meta-data/")}, 400, "refused"),
     "file URL": ({"messages": user_message("file:///etc/passwd")}, 400, "data: URI"),
-    "prompt too long": ({"messages": user_message("PHOTO", "why? " * 20_000)}, 400, "PROMPT"),
+    "prompt too long": ({"messages": user_message("PHOTO", "why? " * 20_000)}, 400, "the question"),
     "temperature out of range": ({"temperature": -1}, 400, "temperature"),
     "unknown model": ({"model": "gpt-4o"}, 404, "gpt-4o"),
     "no model": ({"model": None}, 400, "model"),

@@ -31,6 +31,13 @@ def body(url=None, text=None, **extra):
     return {"model": "classify_and_describe", "messages": [{"role": "user", "content": parts}], **extra}
 
 
+def large_body(size=150_000):
+    """A valid request of about `size` bytes of JSON, a photo's worth: its image padded (the
+    question is bounded to 2,000 characters)."""
+    padded = PNG + b"\0" * (size * 3 // 4)
+    return body("data:image/png;base64," + base64.b64encode(padded).decode(), text="What is it?")
+
+
 def refused(payload, max_bytes=10_000, allowlist=frozenset()):
     with pytest.raises(FrontError) as error:
         chat.parse(payload, max_bytes, allowlist)

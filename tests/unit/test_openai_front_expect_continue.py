@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 from raw_http import read_answer
-from test_openai_front import StalledPool, body, front_with, until
+from test_openai_front import StalledPool, front_with, large_body, until
 from test_openai_front_hostile import serving
 from test_openai_front_refused_bodies import hold_the_slot
 
@@ -25,7 +25,7 @@ from openai_front.triton import Answer
 from tools import overload
 
 SOCKET_TIMEOUT_S = 15  # generous: only a hang reaches it on a loaded machine
-PAYLOAD = json.dumps(body(text="What is it? " + "x" * 150_000)).encode()
+PAYLOAD = json.dumps(large_body()).encode()
 
 
 class AnsweringPool(StalledPool):
@@ -318,7 +318,7 @@ def test_the_openai_sdk_with_the_expect_header_is_refused_without_sending_its_bo
     pool = AnsweringPool()
     pool.stall = True
     app = front_with(pool, max_requests_in_flight=1)
-    request = body(text="What is it? " + "x" * 150_000)
+    request = large_body()
 
     async def main():
         async with await serving(app) as server:

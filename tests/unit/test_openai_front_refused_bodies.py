@@ -16,7 +16,7 @@ import time
 import pytest
 from aiohttp import web
 from raw_http import read_answer, somaxconn
-from test_openai_front import StalledPool, body, front_with
+from test_openai_front import StalledPool, body, front_with, large_body
 from test_openai_front_hostile import serving
 
 from openai_front import __main__ as front_main
@@ -78,7 +78,7 @@ def test_a_refused_client_sending_its_body_slowly_gets_its_503_and_keeps_its_con
     the drain the front closed after 1 s and the client's next bytes met a reset."""
     pool = StalledPool()
     app = front_with(pool, max_requests_in_flight=1)
-    payload = json.dumps(body(text="What is it? " + "x" * 150_000)).encode()
+    payload = json.dumps(large_body()).encode()
     ((status, headers, answer), (next_status, _, _)), held = beside_a_held_slot(
         app, pool, lambda port: refused_then_again(port, payload))
     assert status == 503 and b"\r\nRetry-After: " in headers
