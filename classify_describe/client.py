@@ -120,7 +120,9 @@ def _server_took(error, module):
 
 def _request_error(error, module, timeout_s):
     """The TritonRequestError that reports `error`, the last attempt's failure."""
-    if isinstance(error, module.InferenceServerException):
+    if isinstance(error, module.InferenceServerException) and str(error.status()).startswith("3"):
+        message = f"HTTP {error.status()}, a redirect, not followed (it would send the photo and the inference key on)"
+    elif isinstance(error, module.InferenceServerException):
         message = error.message()
     elif _timed_out(error, module):
         message = f"no answer within {timeout_s:g} s (timed out)"
@@ -317,18 +319,52 @@ ERROR_BODY_BYTES = 65536  # of a refused stream's body, for its message
 
 
 def _http_refusal(status, body):
-    """TritonRequestError for a generate_stream request answered `status`, with Triton's
-    {"error": ...} message when the body holds one: as JSON, or as the stream's first event
-    (how Triton answers a request it refuses, 400 for a bad image)."""
+    """TritonRequestError for a generate_stream request answered `status`, with Triton's message."""
+    message = _error_message(body)
+    return TritonRequestError(f"HTTP {status}" + (f": {message}" if message else ""),
+                              retryable=status == 503, answered=True)
+
+
+async def _body_start(response):
+    """Up to ERROR_BODY_BYTES of an aiohttp response's body, for a failed request's message
+    (a single read returns what has arrived, which may be less)."""
+    body = b""
+    while len(body) < ERROR_BODY_BYTES:
+        chunk = await response.content.read(ERROR_BODY_BYTES - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return body
+
+
+def _error_message(body):
+    """Triton's {"error": ...} message in a failed request's body: as JSON, or as a stream's first
+    event (how Triton answers a generate_stream request it refuses, 400 for a bad image)."""
     text = body.decode("utf-8", "replace").strip()
     if text.startswith("data:"):
         text = text[5:].split("\n", 1)[0]
     try:
-        message = json.loads(text)["error"]
+        return str(json.loads(text)["error"])[:500]
     except (ValueError, KeyError, TypeError):
-        message = ""
-    return TritonRequestError(f"HTTP {status}" + (f": {str(message)[:500]}" if message else ""),
-                              retryable=status == 503, answered=True)
+        return ""
+
+
+def _http_error(status, body, module):
+    """The InferenceServerException tritonclient raises for an infer answered `status` (the retry
+    policy reads its status), with Triton's message."""
+    return module.InferenceServerException(msg=_error_message(body) or f"HTTP {status}", status=str(status))
+
+
+def _http_result(body, headers):
+    """The InferResult of a 200's body; TritonRequestError when it is not an inference answer."""
+    import tritonclient.http
+
+    try:
+        return tritonclient.http.InferenceServerClient.parse_response_body(
+            body, header_length=headers.get("Inference-Header-Content-Length"),
+            content_encoding=headers.get("Content-Encoding"))
+    except Exception as error:  # noqa: BLE001 - whatever a 200 that is no inference answer raises in the parser
+        raise _bad_answer(error) from error
 
 
 def _generate_body(image, prompt, parameters):
@@ -387,7 +423,7 @@ def _parse(result, latency_ms):
             raise ValueError(f"{len(labels)} LABELS and {len(scores)} SCORES")
         description, source, usage_text = (_text(_one(result, name))
                                            for name in ("DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"))
-    except (TypeError, ValueError, IndexError, KeyError) as error:
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as error:  # AttributeError: a JSON array
         raise _bad_answer(error) from error
     try:
         usage = json.loads(usage_text)
@@ -619,29 +655,53 @@ class AsyncClient(_Throttling):
         self._concurrency = concurrency
         self._limit = asyncio.Semaphore(concurrency)
         if protocol == "http":
-            self._client = self._module.InferenceServerClient(
-                url, conn_limit=concurrency, conn_timeout=timeout_s)
+            # Our own session, not tritonclient's aio client: its session follows redirects, which
+            # would send the photo and the inference key to whatever host a 307 names. The body is
+            # still built and read by tritonclient (generate_request_body, parse_response_body).
+            import aiohttp
+            self._client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
         else:
             self._client = self._module.InferenceServerClient(url)
 
     async def infer(self, image, prompt=None, parameters=None):
         inputs, outputs = _build_inputs(self._module, image, prompt)
-        # gRPC takes a per-call deadline; HTTP's is conn_timeout on the session.
-        kwargs = {"client_timeout": self._timeout_s} if self._protocol == "grpc" else {}
         async with self._limit:
             started = time.perf_counter()
             attempts = _Attempts(self)
             while True:
                 try:
                     attempts.begin()
-                    result = await self._client.infer(self._model_name, inputs, outputs=outputs,
-                                                      parameters=parameters, headers=_copy(self._headers), **kwargs)
+                    if self._protocol == "grpc":
+                        result = await self._client.infer(self._model_name, inputs, outputs=outputs,
+                                                          parameters=parameters, headers=_copy(self._headers),
+                                                          client_timeout=self._timeout_s)
+                    else:
+                        answer = await self._http_infer(inputs, outputs, parameters)
                 except Exception as error:
                     wait_s = attempts.after_failure(error)
                 else:
                     attempts.answered()
+                    if self._protocol == "http":
+                        result = _http_result(*answer)
                     return _parse(result, (time.perf_counter() - started) * 1e3)
                 await asyncio.sleep(wait_s)
+
+    async def _http_infer(self, inputs, outputs, parameters):
+        """One POST to Triton's infer endpoint, as tritonclient's aio client makes it but for
+        redirects: (body, headers) of a 200, else the InferenceServerException it would raise."""
+        import tritonclient.http
+
+        body, json_size = tritonclient.http.InferenceServerClient.generate_request_body(
+            inputs, outputs=outputs, parameters=parameters)
+        headers = dict(self._headers or {})
+        if json_size is not None:
+            headers["Inference-Header-Content-Length"] = str(json_size)
+        async with self._client.post(f"http://{self._url}/v2/models/{self._model_name}/infer", data=body,
+                                     headers=headers, allow_redirects=False) as response:
+            if response.status != 200:
+                raise _http_error(response.status, await _body_start(response), self._module)
+            return await response.read(), response.headers
 
     async def infer_many(self, images, prompt=None):
         """Yield (index, Result or TritonRequestError) for each image, in completion order.
@@ -721,20 +781,19 @@ class AsyncClient(_Throttling):
     async def _http_stream(self, image, prompt, parameters, model_name):
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout_s)) as session:
-            # No redirect followed: it would send the photo and the inference key to another host.
-            async with session.post(f"http://{self._url}/v2/models/{model_name}/generate_stream",
-                                    data=_generate_body(image, prompt, parameters), allow_redirects=False,
-                                    headers={"Content-Type": "application/json", **(self._headers or {})}) as response:
-                if response.status != 200:  # before any event: a failed request's body is no stream
-                    raise _http_refusal(response.status, await response.content.read(ERROR_BODY_BYTES))
-                try:
-                    async for raw in response.content:
-                        outputs = _sse_outputs(raw.decode("utf-8", "replace").strip())
-                        if outputs is not None:
-                            yield outputs
-                except aiohttp.http_exceptions.LineTooLong as error:
-                    raise _bad_answer(error) from error
+        # No redirect followed: it would send the photo and the inference key to another host.
+        async with self._client.post(f"http://{self._url}/v2/models/{model_name}/generate_stream",
+                                     data=_generate_body(image, prompt, parameters), allow_redirects=False,
+                                     headers={"Content-Type": "application/json", **(self._headers or {})}) as response:
+            if response.status != 200:  # before any event: a failed request's body is no stream
+                raise _http_refusal(response.status, await _body_start(response))
+            try:
+                async for raw in response.content:
+                    outputs = _sse_outputs(raw.decode("utf-8", "replace").strip())
+                    if outputs is not None:
+                        yield outputs
+            except aiohttp.http_exceptions.LineTooLong as error:
+                raise _bad_answer(error) from error
 
     async def close(self):
         await self._client.close()

@@ -1,7 +1,7 @@
 """The client against a server (or a proxy in front of it) that answers what Triton never would:
 an answer missing an output or of another shape or type, a stream with malformed events,
 events after its final one, a failed status with events in its body, an event line past the
-reader's limit, a redirect to another host. Each is a TritonRequestError, or the stream ends
+reader's limit, a redirect to another host, a 200 that is no inference answer. Each is a TritonRequestError, or the stream ends
 at "done"; never a raw Python error, a Result made of the wrong values, or the photo and
 inference key sent to another host (found by an independent review, 2026-12-06; each case
 failed before its fix)."""
@@ -39,7 +39,8 @@ class Canned(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         server = self.server
-        server.seen.append((self.path, dict(self.headers), self.rfile.read(int(self.headers["Content-Length"]))))
+        headers = {key.lower(): value for key, value in self.headers.items()}
+        server.seen.append((self.path, headers, self.rfile.read(int(self.headers["Content-Length"]))))
         self.send_response(server.status)
         for key, value in server.headers:
             self.send_header(key, value)
@@ -92,20 +93,57 @@ BAD_ANSWERS = {
 }
 
 
+def infer(url, asynchronous, **options):
+    if not asynchronous:
+        with Client(url, timeout_s=5, **options) as client:
+            return client.infer(b"img")
+
+    async def main():
+        async with AsyncClient(url, timeout_s=5, **options) as client:
+            return await client.infer(b"img")
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
 @pytest.mark.parametrize("case", BAD_ANSWERS, ids=list(BAD_ANSWERS))
-def test_an_answer_that_is_not_the_ensembles_outputs_is_a_request_error(canned, case):
+def test_an_answer_that_is_not_the_ensembles_outputs_is_a_request_error(canned, case, asynchronous):
     _, url = canned(BAD_ANSWERS[case])
-    with Client(url, timeout_s=5) as client:
-        with pytest.raises(TritonRequestError, match="not the ensemble's outputs") as raised:
-            client.infer(b"img")
+    with pytest.raises(TritonRequestError, match="not the ensemble's outputs") as raised:
+        infer(url, asynchronous)
     assert raised.value.answered and not raised.value.retryable
 
 
-def test_the_same_answer_well_formed_is_a_result(canned):
-    _, url = canned({"outputs": GOOD})
-    with Client(url, timeout_s=5) as client:
-        result = client.infer(b"img")
+@pytest.mark.parametrize("body", [b"<html>proxy login</html>", b"", b"\xff\xfe", b"[1, 2]"],
+                         ids=["HTML", "empty", "not UTF-8", "a JSON array"])
+def test_a_200_that_is_no_inference_answer_is_a_request_error_to_the_async_client(canned, body):
+    _, url = canned(body)
+    with pytest.raises(TritonRequestError, match="not the ensemble's outputs") as raised:
+        infer(url, asynchronous=True)
+    assert raised.value.answered and not raised.value.retryable
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+def test_the_same_answer_well_formed_is_a_result(canned, asynchronous):
+    server, url = canned({"outputs": GOOD})
+    result = infer(url, asynchronous, inference_key="s3cret-key")
     assert (result.labels, result.scores, result.description) == (["tabby", "tiger"], pytest.approx([0.6, 0.3]), "d")
+    path, headers, body = server.seen[-1]
+    assert path == "/v2/models/classify_and_describe/infer" and headers["inference-key"] == "s3cret-key"
+    header = json.loads(body[:int(headers["inference-header-content-length"])])
+    assert [i["name"] for i in header["inputs"]] == ["IMAGE"] and body.endswith(b"img")
+    assert {o["name"] for o in header["outputs"]} == {"LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+def test_a_failed_infer_keeps_tritons_message_and_says_whether_to_retry(canned, asynchronous):
+    _, url = canned({"error": "[code=invalid_input field=IMAGE] IMAGE is not a recognised image file"}, status=400)
+    with pytest.raises(TritonRequestError, match="IMAGE is not a recognised image file") as raised:
+        infer(url, asynchronous, retries=2, retry_backoff_s=0)
+    assert raised.value.answered and not raised.value.retryable
+    server, url = canned({"error": "Exceeds maximum queue size"}, status=503)
+    with pytest.raises(TritonRequestError, match="Exceeds maximum queue size") as raised:
+        infer(url, asynchronous, retries=2, retry_backoff_s=0, throttle=False)
+    assert raised.value.answered and raised.value.retryable and len(server.seen) == 3
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
@@ -148,13 +186,16 @@ def test_an_event_line_past_the_async_readers_limit_is_a_request_error(canned):
         stream(url, asynchronous=True)
 
 
-def test_a_redirect_does_not_take_the_photo_and_key_to_another_host(canned):
-    elsewhere, elsewhere_url = canned(status=404)
-    _, url = canned(status=307, headers=[("Location", f"http://localhost:{elsewhere_url.split(':')[1]}"
-                                                      "/v2/models/x/generate_stream")])
-    with pytest.raises(TritonRequestError, match="HTTP 307"):
-        stream(url, asynchronous=True, inference_key="s3cret-key")
-    assert elsewhere.seen == []
+@pytest.mark.parametrize("call", [stream, infer])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_does_not_take_the_photo_and_key_to_another_host(canned, status, asynchronous, call):
+    elsewhere, elsewhere_url = canned({"outputs": GOOD})
+    _, url = canned(status=status, headers=[("Location", f"http://localhost:{elsewhere_url.split(':')[1]}"
+                                                         "/v2/models/x/infer")])
+    with pytest.raises(TritonRequestError, match=f"HTTP {status}") as raised:
+        call(url, asynchronous, inference_key="s3cret-key", retries=2, retry_backoff_s=0)
+    assert elsewhere.seen == [] and not raised.value.retryable
 
 
 class EndsWithoutFinal(StandIn):
