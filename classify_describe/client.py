@@ -538,6 +538,9 @@ class Client(_Throttling):
                 attempts.begin()
                 result = self._client.infer(self._model_name, inputs, outputs=outputs,
                                             parameters=parameters, headers=_copy(self._headers), **kwargs)
+            except ValueError as error:  # tritonclient's JSON parser, on a 200 that is no inference answer
+                attempts.answered()
+                raise _bad_answer(error) from error
             except Exception as error:
                 wait_s = attempts.after_failure(error)
             else:
