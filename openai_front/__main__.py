@@ -7,8 +7,9 @@ import sys
 
 from aiohttp import web
 
+from . import malformed_http
 from . import settings as front_settings
-from .app import create_app
+from .app import METRICS, create_app
 
 LINGERING_S = 1.0
 # Connections the kernel holds until the front accepts them (aiohttp's default: 128).
@@ -52,9 +53,11 @@ def serve(settings):
     # answer to a body it did not read (413, 415, 408) the connection is closed within
     # 1 s (aiohttp's default reads and discards the rest for 10 s); the body of a refusal
     # (503) is read and dropped for longer, its client is not hostile (shedding.py).
-    web.run_app(create_app(settings), host=settings.host, port=settings.port, access_log=None, print=None,
+    # logger: a request that is not HTTP gets one line (not a traceback), at most one a second.
+    app = create_app(settings)
+    web.run_app(app, host=settings.host, port=settings.port, access_log=None, print=None,
                 shutdown_timeout=settings.drain_s, handler_cancellation=True, auto_decompress=False,
-                lingering_time=LINGERING_S, backlog=LISTEN_BACKLOG)
+                lingering_time=LINGERING_S, backlog=LISTEN_BACKLOG, logger=malformed_http.logger(app[METRICS]))
 
 
 if __name__ == "__main__":

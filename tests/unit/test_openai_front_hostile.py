@@ -9,6 +9,7 @@ The same against a real server and Triton: tests/integration/test_shutdown.py.""
 import asyncio
 import gzip
 import json
+import logging
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from test_openai_front import StalledPool, body, front_with, until, value
 
 from openai_front import __main__ as front_main
 from openai_front import app as front_app
+from openai_front import malformed_http
 from openai_front.triton import Answer
 
 # As openai_front/__main__.py runs the app (TestServer always adds handler_cancellation).
@@ -24,9 +26,10 @@ SERVER_OPTIONS = {"auto_decompress": False, "lingering_time": front_main.LINGERI
 
 
 async def serving(app):
-    """A TestServer started with SERVER_OPTIONS (its constructor drops them: start_server takes them)."""
+    """A TestServer started with SERVER_OPTIONS and the front's logger for aiohttp's request handlers
+    (its constructor drops them: start_server takes them)."""
     server = TestServer(app, host="127.0.0.1")
-    await server.start_server(**SERVER_OPTIONS)
+    await server.start_server(**SERVER_OPTIONS, logger=malformed_http.logger(app[front_app.METRICS]))
     return server
 
 
@@ -122,6 +125,48 @@ def test_a_chunked_body_over_the_limit_is_413_and_counted_as_413_not_500():
     assert status == 413 and b"image_too_large" in sent
     assert value(metrics, "openai_front_requests_total", model="other", stream="false", status="413") == 1
     assert not value(metrics, "openai_front_requests_total", model="other", stream="false", status="500")
+
+
+MALFORMED = {
+    "a bad chunk size": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    "a header line past 8 KB": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 9000 + b"\r\n\r\n",
+    "a bad header name": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    "two lengths": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nx",
+}
+
+
+def test_a_flood_of_requests_that_are_not_http_logs_a_line_a_second_and_counts_each(caplog):
+    """aiohttp answers them itself, 400, before any middleware, and logged each with its traceback
+    (about ten lines at ERROR): 200 in a loop were 2,000 lines. Now one line a second, naming the
+    error, and the count in the metrics; a valid request beside them is served."""
+    pool = StalledPool()
+    app = front_with(pool)
+
+    async def main():
+        async with await serving(app) as server:
+            statuses = [(await raw_exchange(server.port, raw))[0] for raw in list(MALFORMED.values()) * 50]
+            await asyncio.sleep(malformed_http.INTERVAL_S)
+            statuses.append((await raw_exchange(server.port, MALFORMED["a bad chunk size"]))[0])
+            await valid_request_is_served(server.port, pool)
+            return statuses, app[front_app.METRICS].render()
+
+    with caplog.at_level("INFO", logger="openai_front.http"):
+        statuses, metrics = asyncio.run(main())
+    assert statuses == [400] * 201
+    lines = [r for r in caplog.records if r.name == "openai_front.http"]
+    assert len(lines) == 2 and not any(r.exc_info or r.exc_text for r in lines), [r.getMessage() for r in lines]
+    assert "not HTTP the front can read, answered 400 (Invalid character in chunk size" in lines[0].getMessage()
+    assert lines[1].getMessage().endswith("; 199 more since the last such line, not logged")
+    assert value(metrics, "openai_front_errors_total", status="400", code="malformed_http") == 201
+
+
+def test_what_the_front_logs_for_anything_else_keeps_its_traceback():
+    record_of = lambda error: logging.LogRecord(  # noqa: E731
+        "openai_front.http", logging.ERROR, __file__, 1, "Unhandled exception", (), (type(error), error, None))
+    keep = malformed_http.OneLineEach(clock=lambda: 0.0)
+    for error in (RuntimeError("a bug of ours"), RuntimeError("another")):
+        record = record_of(error)
+        assert keep.filter(record) and record.exc_info[1] is error and record.getMessage() == "Unhandled exception"
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions")])
@@ -251,3 +296,5 @@ def test_the_front_runs_with_the_options_these_tests_use(monkeypatch):
     assert seen["handler_cancellation"] is True and seen["shutdown_timeout"] == 5.0  # OPENAI_FRONT_DRAIN_S
     # As test_openai_front_refused_bodies.py listens for its 2,560 clients connecting at once.
     assert seen["backlog"] == front_main.LISTEN_BACKLOG >= 2560
+    assert seen["logger"].name == "openai_front.http"
+    assert [type(f) for f in seen["logger"].filters] == [malformed_http.OneLineEach]
