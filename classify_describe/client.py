@@ -14,6 +14,7 @@ import pathlib
 import random
 import time
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import numpy as np
 
@@ -604,7 +605,7 @@ class Client(_Throttling):
         host, _, port = self._url.rpartition(":")
         connection = http.client.HTTPConnection(host, int(port), timeout=self._timeout_s)
         try:
-            connection.request("POST", f"/v2/models/{model_name}/generate_stream",
+            connection.request("POST", f"/v2/models/{quote(model_name)}/generate_stream",
                                body=_generate_body(image, prompt, parameters),
                                headers={"Content-Type": "application/json", **(self._headers or {})})
             response = connection.getresponse()
@@ -661,9 +662,12 @@ class AsyncClient(_Throttling):
             # Our own session, not tritonclient's aio client: its session follows redirects, which
             # would send the photo and the inference key to whatever host a 307 names. The body is
             # still built and read by tritonclient (generate_request_body, parse_response_body).
+            # auto_decompress=False, as tritonclient's: Triton gzips an infer answer for aiohttp's
+            # default Accept-Encoding, and parse_response_body inflates it (Content-Encoding).
             import aiohttp
             self._client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
-                                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+                                                 timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                                 auto_decompress=False)
         else:
             self._client = self._module.InferenceServerClient(url)
 
@@ -700,7 +704,7 @@ class AsyncClient(_Throttling):
         headers = dict(self._headers or {})
         if json_size is not None:
             headers["Inference-Header-Content-Length"] = str(json_size)
-        async with self._client.post(f"http://{self._url}/v2/models/{self._model_name}/infer", data=body,
+        async with self._client.post(f"http://{self._url}/v2/models/{quote(self._model_name)}/infer", data=body,
                                      headers=headers, allow_redirects=False) as response:
             if response.status != 200:
                 raise _http_error(response.status, await _body_start(response), self._module)
@@ -785,9 +789,11 @@ class AsyncClient(_Throttling):
         import aiohttp
 
         # No redirect followed: it would send the photo and the inference key to another host.
-        async with self._client.post(f"http://{self._url}/v2/models/{model_name}/generate_stream",
+        # Accept-Encoding identity: the session inflates nothing, and the events are read as lines.
+        async with self._client.post(f"http://{self._url}/v2/models/{quote(model_name)}/generate_stream",
                                      data=_generate_body(image, prompt, parameters), allow_redirects=False,
-                                     headers={"Content-Type": "application/json", **(self._headers or {})}) as response:
+                                     headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
+                                              **(self._headers or {})}) as response:
             if response.status != 200:  # before any event: a failed request's body is no stream
                 raise _http_refusal(response.status, await _body_start(response))
             try:

@@ -7,6 +7,7 @@ inference key sent to another host (found by an independent review, 2026-12-06; 
 failed before its fix)."""
 
 import asyncio
+import gzip
 import http.server
 import json
 import threading
@@ -44,20 +45,25 @@ class Canned(http.server.BaseHTTPRequestHandler):
         self.send_response(server.status)
         for key, value in server.headers:
             self.send_header(key, value)
-        self.send_header("Content-Length", str(len(server.body)))
+        body = server.body
+        # As Triton answers an infer: gzip when the client accepts it (aiohttp's default does).
+        if server.compress and "gzip" in headers.get("accept-encoding", ""):
+            body = gzip.compress(body)
+            self.send_header("Content-Encoding", "gzip")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(server.body)
+        self.wfile.write(body)
 
 
 @pytest.fixture
 def canned():
     servers = []
 
-    def start(body=b"", status=200, headers=()):
+    def start(body=b"", status=200, headers=(), compress=False):
         server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Canned)
         server.daemon_threads = True
         server.body = body if isinstance(body, bytes) else json.dumps(body).encode()
-        server.status, server.headers, server.seen = status, headers, []
+        server.status, server.headers, server.seen, server.compress = status, headers, [], compress
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         return server, f"127.0.0.1:{server.server_address[1]}"
@@ -132,6 +138,30 @@ def test_the_same_answer_well_formed_is_a_result(canned, asynchronous):
     header = json.loads(body[:int(headers["inference-header-content-length"])])
     assert [i["name"] for i in header["inputs"]] == ["IMAGE"] and body.endswith(b"img")
     assert {o["name"] for o in header["outputs"]} == {"LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+def test_an_answer_compressed_as_triton_compresses_it_is_read(canned, asynchronous):
+    server, url = canned({"outputs": GOOD}, compress=True)
+    assert infer(url, asynchronous).labels == ["tabby", "tiger"]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
+def test_a_model_name_is_quoted_into_the_path(canned, asynchronous):
+    name = "my model#1?x"
+    server, url = canned({"outputs": GOOD})
+    infer(url, asynchronous, model_name=name)
+    events, streamed = canned(sse(LABELS, DONE))
+    if asynchronous:
+        async def main():
+            async with AsyncClient(streamed, timeout_s=5) as client:
+                return [event async for event in client.stream(b"img", model_name=name)]
+        asyncio.run(main())
+    else:
+        with Client(streamed, timeout_s=5) as client:
+            list(client.stream(b"img", model_name=name))
+    assert [server.seen[-1][0], events.seen[-1][0]] == ["/v2/models/my%20model%231%3Fx/infer",
+                                                        "/v2/models/my%20model%231%3Fx/generate_stream"]
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["Client", "AsyncClient"])
