@@ -247,7 +247,7 @@ class InFlight:
 
 def _parse_body(raw, settings):
     return chat.parse(load_json(raw), settings.max_image_bytes, settings.image_url_allowlist,
-                      settings.image_url_allow_private)
+                      settings.image_url_allow_private, settings.max_prompt_chars)
 
 
 def load_json(raw):

@@ -20,12 +20,13 @@ from .errors import FrontError, invalid, too_large
 MAX_TOKENS_LIMIT = 2**31 - 1  # far above any model's output; the describe step then applies its own limit
 DEFAULT_PORTS = (80, 443)     # the only ports of an allowlisted host, unless an entry says host:port
 # The describe step's bounds on the client's earlier messages (its `conversation`
-# parameter) and on the question (its `max_prompt_chars`), checked here too so a
-# request is refused before it costs a classification.
+# parameter) and on the question (its `max_prompt_chars`, which the settings can
+# change: OPENAI_FRONT_MAX_PROMPT_CHARS), checked here too so a request is refused
+# before it costs a classification.
 MAX_CONVERSATION_MESSAGES = 32
 MAX_CONTENT_PARTS = 64  # parts of one message's content; counted before any is read
 MAX_CONVERSATION_CHARS = 32_000   # their text in all; also the bound on response_format's JSON
-MAX_PROMPT_CHARS = 2_000  # the question: the last user message's text parts, joined
+MAX_PROMPT_CHARS = 2_000  # the question: the last user message's text parts, joined (the default)
 
 # Every top-level field is honoured, accepted with the one value the pipeline
 # gives anyway, accepted and ignored (OpenAI's own bookkeeping, which does not
@@ -69,7 +70,8 @@ class ChatRequest:
     response_format: dict = None  # json_object or json_schema, as the client sent it; None: text
 
 
-def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addresses=False):
+def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addresses=False,
+          max_prompt_chars=MAX_PROMPT_CHARS):
     """Validate one decoded JSON body; raise FrontError (4xx) naming the field."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -79,7 +81,8 @@ def parse(body, max_image_bytes, url_allowlist=frozenset(), allow_private_addres
         raise invalid("'model' is required: a string, e.g. 'classify_and_describe' (GET /v1/models lists them)",
                       param="model")
     conversation, index = _conversation(body.get("messages"))
-    prompt, image_url = _user_content(body["messages"][index].get("content"), f"messages[{index}].content")
+    prompt, image_url = _user_content(body["messages"][index].get("content"), f"messages[{index}].content",
+                                      max_prompt_chars)
 
     stream = body.get("stream", False)
     if stream is None:
@@ -283,7 +286,7 @@ def _json_schema(spec):
             raise invalid(f"'{param}.{key}' must be {what}", param=f"{param}.{key}")
 
 
-def _user_content(content, param):
+def _user_content(content, param, max_prompt_chars):
     """(prompt or None, the image part's url) from a user message's content."""
     if isinstance(content, str) or content is None:
         raise invalid("the last user message has no image: send its content as an array with one "
@@ -310,9 +313,9 @@ def _user_content(content, param):
     if len(urls) > 1:
         raise invalid(f"the last user message has {len(urls)} images; send one per request", param=param)
     prompt = "\n".join(t for t in texts if t.strip()).strip()
-    if len(prompt) > MAX_PROMPT_CHARS:
+    if len(prompt) > max_prompt_chars:
         raise invalid(f"the question (the text parts of the last user message) has {len(prompt)} characters, "
-                      f"more than the {MAX_PROMPT_CHARS} allowed", param=param)
+                      f"more than the {max_prompt_chars} allowed", param=param)
     return prompt or None, urls[0]
 
 

@@ -38,6 +38,10 @@ __main__). Every name is documented in the README's OpenAI section.
   OPENAI_FRONT_DRAIN_S=5               at shutdown (TERM): open streams end at once
                                        with an error event; whole answers get this long
   OPENAI_FRONT_MAX_IMAGE_BYTES=20971520  the preprocess step's own limit
+  OPENAI_FRONT_MAX_PROMPT_CHARS        a longer question is refused here (400),
+                                       before Triton classifies the photo; the
+                                       describe step's max_prompt_chars: default
+                                       LLM_MAX_PROMPT_CHARS where set, else 2000
   OPENAI_FRONT_GRPC_CHANNELS=2         gRPC channels to Triton, used in turn
   OPENAI_FRONT_TIMEOUT_S=60            one request's deadline at Triton
   OPENAI_FRONT_ACCESS_LOG=1            0: no access log (one JSON line per request
@@ -81,6 +85,7 @@ class Settings:
     # their number: 1024 requests of 20 MiB would be 20 GiB.
     max_image_bytes_in_flight: int = 512 * 1024 * 1024
     max_image_bytes: int = 20 * 1024 * 1024
+    max_prompt_chars: int = 2000
     body_timeout_s: float = 10.0
     max_fetches_in_flight: int = 8
     drain_s: float = 5.0
@@ -182,6 +187,9 @@ def from_environ(environ=None, **overrides):
         max_bodies_in_flight=_int(environ, "OPENAI_FRONT_MAX_BODIES_IN_FLIGHT", 16, 1),
         max_requests_in_flight=_int(environ, "OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT", Settings.max_requests_in_flight, 1),
         max_image_bytes=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES", 20 * 1024 * 1024, 1),
+        # The describe step reads LLM_MAX_PROMPT_CHARS from the same environment (the supervisor's).
+        max_prompt_chars=_int(environ, "OPENAI_FRONT_MAX_PROMPT_CHARS",
+                              _int(environ, "LLM_MAX_PROMPT_CHARS", Settings.max_prompt_chars, 1), 1),
         max_image_bytes_in_flight=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT",
                                        Settings.max_image_bytes_in_flight, 1),
         body_timeout_s=_float(environ, "OPENAI_FRONT_BODY_TIMEOUT_S", 10.0),

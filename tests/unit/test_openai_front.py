@@ -238,7 +238,29 @@ def test_settings_from_the_environment(tmp_path):
     assert missing.api_key is None and "does not exist" in missing.api_key_source
 
 
+def test_the_question_limit_follows_the_describe_steps_setting_unless_the_front_is_given_its_own():
+    """The supervisor runs the front and Triton in one environment: the describe step's
+    LLM_MAX_PROMPT_CHARS raised, the front must not refuse what that step would take."""
+    assert settings.from_environ({}).max_prompt_chars == chat.MAX_PROMPT_CHARS == 2000
+    assert settings.from_environ({"LLM_MAX_PROMPT_CHARS": "4000"}).max_prompt_chars == 4000
+    assert settings.from_environ({"LLM_MAX_PROMPT_CHARS": "4000",
+                                  "OPENAI_FRONT_MAX_PROMPT_CHARS": "3000"}).max_prompt_chars == 3000
+    question = "x" * 3000
+    assert chat.parse(body(text=question), 10_000, max_prompt_chars=3000).prompt == question
+    assert refused(body(text=question + "y")).status == 400  # the default, 2000
+
+    class Answering(StalledPool):
+        async def infer(self, model, image, prompt=None, *args, **kwargs):
+            self.prompt = prompt
+            return Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}, description="A cup")
+
+    pool = Answering()  # the app passes its setting on
+    status, _, _ = asyncio.run(_post(front_with(pool, max_prompt_chars=3000), json.dumps(body(text=question))))
+    assert status == 200 and pool.prompt == question
+
+
 @pytest.mark.parametrize("environ, words", [
+    ({"OPENAI_FRONT_MAX_PROMPT_CHARS": "0"}, "at least 1"),
     ({"OPENAI_PORT": "http"}, "OPENAI_PORT"),
     ({"OPENAI_FRONT_MAX_IMAGE_BYTES": "0"}, "at least 1"),
     ({"OPENAI_FRONT_GRPC_CHANNELS": "0"}, "at least 1"),
