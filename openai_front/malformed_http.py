@@ -1,13 +1,15 @@
 """What the front logs and counts for a request that is not HTTP it can parse.
 
-aiohttp answers such a request itself (400 or 413, before any handler or
-middleware: a bad chunk size, a header line past 8 KB, TLS sent to the plain
-port) and logs it with its traceback, about ten lines at ERROR level, each
-time. A client sending them in a loop would fill the log. Instead: one line
-each, naming the error, at most one a second (with how many were left out
+aiohttp answers such a request itself (400, before any handler or middleware:
+a header line past 8 KB, two Content-Lengths, a bad chunk size in the same read
+as the head) and logs it with its traceback, about ten lines at ERROR level,
+each time. A client sending them in a loop would fill the log. Instead: one
+line each, naming the error, at most one a second (with how many were left out
 since), and a count in openai_front_errors_total{code="malformed_http"}.
 Anything else aiohttp logs (a handler's own exception, a bug of ours) passes
-unchanged, traceback and all.
+unchanged, traceback and all. TLS or another protocol as a connection's first
+bytes aiohttp logs at DEBUG only: the front's INFO level never shows it, and
+this filter never sees it to count it.
 """
 
 import logging
