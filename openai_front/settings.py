@@ -51,6 +51,8 @@ __main__). Every name is documented in the README's OpenAI section.
 import dataclasses
 import os
 
+from .chat import MAX_PROMPT_CHARS
+
 # The model ids clients may ask for, and the ensembles behind them.
 MODELS = {"classify_and_describe": ("classify_and_describe", "classify_and_describe_stream")}
 
@@ -85,7 +87,7 @@ class Settings:
     # their number: 1024 requests of 20 MiB would be 20 GiB.
     max_image_bytes_in_flight: int = 512 * 1024 * 1024
     max_image_bytes: int = 20 * 1024 * 1024
-    max_prompt_chars: int = 2000
+    max_prompt_chars: int = MAX_PROMPT_CHARS  # the describe step's default max_prompt_chars
     body_timeout_s: float = 10.0
     max_fetches_in_flight: int = 8
     drain_s: float = 5.0
