@@ -480,7 +480,8 @@ def _limits_section(results, add, plots, out_path):
     add(f"`classify` and `classify_and_describe` (fake LLM at 0 ms) under perf_analyzer at concurrency {c}, and "
         "`tools/bench/inprocess.py`: the same preprocess and classifier code with the model repository's settings, "
         f"per runtime, in the layouts {', '.join(meta.get('layouts', []))} (processes x threads) at batch sizes "
-        f"{', '.join(map(str, batches))}; a runtime's limit is its best layout and batch size. The server's "
+        f"{', '.join(map(str, batches))}; a runtime's limit is its best layout and batch size{_confirm_text(limits)}. "
+        "The server's "
         f"classifier runs {names.get(fig['served_runtime'], fig['served_runtime'])}. {len(fig['rows'])} turn(s)"
         f"{order}.\n")
     _limits_turns_table(fig, names, add)
@@ -488,6 +489,16 @@ def _limits_section(results, add, plots, out_path):
     _latency_c1_table(results, add)
     _cpu_by_process(limits, add)
     _where_time_goes_section(results, add, plots, out_path)
+
+
+def _confirm_text(limits):
+    """Results files from before the best was measured again have no confirm_s."""
+    confirm_s = {best.get("confirm_s") for turn in limits["turns"] for best in
+                 (result["best"] for result in turn["inprocess"].values())}
+    if confirm_s == {None}:
+        return ""
+    return (f", measured again alone for {'/'.join(f'{s:g}' for s in sorted(confirm_s - {None}))} s once the sweep "
+            "picked it (the largest of the sweep's short runs overstates it; its figure is given beside)")
 
 
 def _limits_turns_table(fig, names, add):
@@ -498,11 +509,15 @@ def _limits_turns_table(fig, names, add):
     add("| --- | --- | --- |" + " --- |" * len(runtimes) + " --- | --- | --- |")
     for number, row in enumerate(fig["rows"], 1):
         add(f"| {number} | {_f(row['classify'])} | {_f(row['ensemble'])} | " +
-            " | ".join(f"{_f(row['limits'][r]['throughput'])} ({row['limits'][r]['layout']}, batch "
-                       f"{row['limits'][r]['batch']})" for r in runtimes) +
+            " | ".join(_limit_cell(row["limits"][r]) for r in runtimes) +
             f" | {_f(row['ensemble_vs_pytorch'], 2)} | {_f(row['classify_vs_own'], 2)} | "
             f"{_f(row['ensemble_vs_classify'], 2)} |")
     add("")
+
+
+def _limit_cell(best):
+    sweep = f"; {_f(best['sweep_throughput'])} in the sweep" if "sweep_throughput" in best else ""
+    return f"{_f(best['throughput'])} ({best['layout']}, batch {best['batch']}{sweep})"
 
 
 def _inprocess_rates_table(limits, names, batches, add):

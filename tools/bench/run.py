@@ -32,19 +32,21 @@ from tools.bench import clients, harness, inprocess, inputs, report, sections
 REPO = harness.REPO
 
 # Every load run is bounded: perf_analyzer by windows x trials (and a timeout),
-# the Python clients by their duration.
+# the Python clients by their duration. inproc_confirm_s: the in-process best layout and batch
+# measured again alone, as long as perf_analyzer's windows x trials (tools/bench/inprocess.py).
 MODES = {
-    "smoke": dict(window_ms=1000, trials=3, repeats=1, inproc_s=0.3, inproc_batches=(1,),
+    "smoke": dict(window_ms=1000, trials=3, repeats=1, inproc_s=0.3, inproc_batches=(1,), inproc_confirm_s=0.0,
                   limit_c=2, hiding_abba=False, cover_latency_ms=200, cover_base_c=2, cover_max_c=8,
                   describe_n=10, pattern_latency_ms=200, pattern_c=4, pattern_blocks=0, pattern_s=1.5, warmup_s=0.5,
                   classify_sweep=(2,), ensemble_sweep=(2,), ensemble_sweep_latency_ms=200,
                   tuning=("no_batching",), tuning_c=(2,), accuracy_crops=10),
     "quick": dict(window_ms=1500, window_cap_ms=4000, trials=3, repeats=1, inproc_s=1.0, inproc_batches=(1, 2),
+                  inproc_confirm_s=4.5,
                   limit_c=8, hiding_abba=False, cover_latency_ms=1000, cover_base_c=4, cover_max_c=128,
                   describe_n=60, pattern_latency_ms=200, pattern_c=16, pattern_blocks=1, pattern_s=4.0, warmup_s=1.0,
                   classify_sweep=(1, 4), ensemble_sweep=(4, 16), ensemble_sweep_latency_ms=200,
                   tuning=(), tuning_c=(), accuracy_crops=100),
-    "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches=(1, 2, 4),
+    "full": dict(window_ms=3000, trials=3, repeats=3, inproc_s=2.0, inproc_batches=(1, 2, 4), inproc_confirm_s=9.0,
                  limit_c=8, hiding_abba=True, cover_latency_ms=1000, cover_base_c=4, cover_max_c=256,
                  describe_n=300, pattern_latency_ms=200, pattern_c=16, pattern_blocks=2, pattern_s=10.0, warmup_s=2.0,
                  classify_sweep=(1, 2, 4, 8, 16), ensemble_sweep=(1, 4, 16, 32, 64),
@@ -105,11 +107,12 @@ def measure_limits(ctx, p):
 def measure_inprocess(ctx, runtime, p):
     batches = [b for b in p["inproc_batches"] if b <= ctx.policy_max_batch] or [1]
     result = inprocess.measure(runtime, ctx.triton.repository, ctx.jpeg_paths, ctx.layouts, batches,
-                               p["inproc_s"])
+                               p["inproc_s"], p["inproc_confirm_s"])
     log(f"in-process {runtime}: " + ", ".join(
         f"{row['name']} " + "/".join(f"{row['e2e'][b]:.1f}" for b in batches) for row in result["layouts"])
         + f" img/s at batch {'/'.join(map(str, batches))}; best {result['best']['layout']} "
-        f"batch {result['best']['batch']}")
+        f"batch {result['best']['batch']}, {result['best']['throughput']:.1f} img/s"
+        + (f" when measured again alone for {p['inproc_confirm_s']:g} s" if p["inproc_confirm_s"] else ""))
     return result
 
 
