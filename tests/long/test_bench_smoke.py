@@ -65,6 +65,9 @@ def test_bench_smoke_run_writes_report_and_plots(tmp_path):
     assert pytorch["best"]["layout"] in data["meta"]["layouts"]
     assert data["limits"]["latency_c1"]["classify"]["p50_ms"] > 0
     assert data["limits"]["latency_c1"]["classify_and_describe"]["p50_ms"] > 0
+    # The single-image latency the c=1 targets divide by: in-process right before and after those runs.
+    before, after = data["limits"]["single_image_ms"]
+    assert list(before) == list(after) == data["meta"]["layouts"] and min(before.values()) > 0
     # CPU per request by process around the perf_analyzer runs: perf_analyzer's own CPU is counted,
     # and only the ensemble's requests reach the describe stubs.
     for key in ("classify", "ensemble"):

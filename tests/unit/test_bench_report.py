@@ -328,6 +328,21 @@ def test_serving_overhead_targets_hold_the_served_figures_against_the_in_process
     assert row.measured is None and not row.met
 
 
+def test_the_single_image_latency_is_the_one_measured_beside_the_concurrency_1_runs(results, tmp_path):
+    """The host's speed moves within minutes: the in-process runs right before and after the c=1 runs,
+    not the turns' (run earlier), give the figure the c=1 targets divide by."""
+    for turn in results["limits"]["turns"]:
+        for row in turn["inprocess"]["torchscript"]["layouts"]:
+            row["e2e"][1] = 1000.0  # 1-2 ms an image in the turns: not what is used
+    results["limits"]["single_image_ms"] = [{"1x2": 9.0, "2x1": 16.0}, {"1x2": 11.0, "2x1": 14.0}]
+    results["limits"]["latency_c1"]["classify"]["p50_ms"] = 13.0
+    assert report.inprocess_latency_ms(results) == pytest.approx(10.0)
+    row = target(report.targets(results), "p50 / in-process single-image latency (PyTorch TorchScript fp32), `classify`")
+    assert row.measured == pytest.approx(1.3) and "vs 10.0 ms" in row.detail
+    report.write(results, tmp_path / "benchmarks.md", tmp_path / "plots")
+    assert "ms per image by layout: 1x2 9.00 then 11.00, 2x1 16.00 then 14.00" in (tmp_path / "benchmarks.md").read_text()
+
+
 def test_the_targets_name_the_cpu_they_were_measured_on(results, tmp_path):
     results["meta"]["host"] = {"cpu": {"model": "AMD EPYC 7B13", "isa_flags": ["avx2", "fma"], "vnni": False},
                                "cores": 2, "memory_gib": 8, "os": "Linux"}
