@@ -114,7 +114,7 @@ def measure_single_image(ctx, p):
     per_image = {}
     for processes, threads in ctx.layouts:
         row = inprocess.measure_layout(ctx.served_runtime, ctx.triton.repository, ctx.jpeg_paths, processes,
-                                       threads, [1], p["inproc_s"])
+                                       threads, [1], p["inproc_s"], e2e_only=True)
         per_image[row["name"]] = 1000.0 * processes / row["e2e"][1]
     log("in-process, one image at a time: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_image.items()))
     return per_image
