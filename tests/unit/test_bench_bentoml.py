@@ -16,10 +16,10 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 FIXTURE = pathlib.Path(__file__).parent / "data/bench_results_smoke.json"
 
 
-def window(side, throughput, failures=0, cpu_ms=10.0):
+def window(side, throughput, failures=0, cpu_ms=10.0, cores=1.85):
     return {"side": side, "concurrency": 16, "throughput": throughput, "failures": failures, "count": 100,
             "p50_ms": 100.0, "p99_ms": 200.0, "failure_reasons": {}, "server_cpu_ms_per_request": cpu_ms,
-            "generator_cpu_ms_per_request": 1.0}
+            "server_cores": cores, "generator_cpu_ms_per_request": 1.0}
 
 
 def section(windows):
@@ -166,3 +166,74 @@ def test_the_report_renders_the_section_and_its_row_from_the_results_file(tmp_pa
     assert "Ratio: **1.20**" in text
     row = next(line for line in text.splitlines() if line.startswith("| ensemble / a BentoML service"))
     assert "| 1.20 | >= 1.50 | **not met** |" in row
+
+
+def test_bentoml_requests_take_a_new_connection_now_and_then_and_the_ensembles_keep_theirs():
+    """BentoML's workers share one listening socket, and a kept-alive connection stays with the worker
+    that accepted it: one worker could serve a window alone (docs/benchmarks-method.md#bentoml). A new
+    connection goes to a worker waiting in accept. Triton, one process, keeps its."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def scenario():
+        connections = {"ensemble": [], "bentoml": []}
+
+        def seen(side, request):
+            if not any(transport is request.transport for transport in connections[side]):
+                connections[side].append(request.transport)
+
+        async def infer(request):
+            await request.read()
+            seen("ensemble", request)
+            return web.json_response({"outputs": [{"name": "DESCRIPTION_SOURCE", "data": ["llm"]}]})
+
+        async def bento(request):
+            await request.read()
+            seen("bentoml", request)
+            return web.json_response({"description_source": "llm"})
+
+        app = web.Application()
+        app.router.add_post(f"/v2/models/{bentoml_baseline.MODEL}/infer", infer)
+        app.router.add_post(f"/{bentoml_baseline.MODEL}", bento)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        for _ in ("triton", "bentoml"):  # two ports, as the two servers
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+        (_, triton_port), (_, bento_port) = runner.addresses
+        sides = bentoml_baseline.Sides(f"127.0.0.1:{triton_port}", [b"photo"], ["what is it?"])
+        sides.bento = f"http://127.0.0.1:{bento_port}"
+        try:
+            for index in range(3 * bentoml_baseline.BENTOML_RECONNECT_EVERY):
+                await sides.ensemble(index)
+                await sides.bentoml(index)
+        finally:
+            await sides.close()
+            await runner.cleanup()
+        return {side: len(seen_) for side, seen_ in connections.items()}
+
+    # Requests 0, 16 and 32 close theirs: four connections for 48 requests, one at a time.
+    assert asyncio.run(scenario()) == {"ensemble": 1, "bentoml": 4}
+
+
+def test_the_section_shows_how_many_cores_each_window_kept_busy():
+    windows = [window("ensemble", 120.0, cores=1.93), window("bentoml", 64.0, cores=0.99), window("bentoml", 60.0)]
+    del windows[-1]["server_cores"]  # a results file from before the figure
+    text = "\n".join(bentoml_baseline.render(section(windows)))
+    assert "| server cores busy |" in text
+    assert "| 1.93 |" in text and "| 0.99 |" in text and "| ~0.60 |" in text  # 10 ms x 60/s
+
+
+def test_a_bentoml_window_with_a_worker_idle_fails_the_row_whatever_the_ratio():
+    """A window where BentoML kept one core of two busy measured one worker, not the service."""
+    balanced = [dict(window("ensemble", 120.0), server_cores=1.85), dict(window("bentoml", 110.0), server_cores=1.87)]
+    row = bentoml_baseline.target_row(section(balanced))
+    assert not row.unmet_reason
+    one_worker = balanced + [dict(window("bentoml", 64.0), server_cores=0.99)]
+    row = bentoml_baseline.target_row(section(one_worker))
+    assert not row.met and "kept 0.99 cores busy in 1 window(s)" in row.unmet_reason
+    # Results files from before the figure: CPU per request x throughput (10 ms x 64/s = 0.64 cores).
+    old = [window("ensemble", 180.0), window("bentoml", 170.0), window("bentoml", 64.0)]
+    for w in old:
+        del w["server_cores"]
+    assert bentoml_baseline.underused_windows(old) == [pytest.approx(0.64)]
