@@ -7,6 +7,7 @@ multipart form carry, and the BentoML service gets the run's model repository se
 import email.parser
 import json
 import pathlib
+import random
 
 import pytest
 
@@ -212,8 +213,11 @@ def test_bentoml_requests_take_a_new_connection_now_and_then_and_the_ensembles_k
             await runner.cleanup()
         return {side: len(seen_) for side, seen_ in connections.items()}
 
-    # Requests 0, 16 and 32 close theirs: four connections for 48 requests, one at a time.
-    assert asyncio.run(scenario()) == {"ensemble": 1, "bentoml": 4}
+    # One a new connection for each request drawn to close its own before it (the same seed).
+    draws = random.Random(0)
+    closing = sum(draws.random() < 1 / bentoml_baseline.BENTOML_RECONNECT_EVERY
+                  for _ in range(3 * bentoml_baseline.BENTOML_RECONNECT_EVERY - 1))
+    assert asyncio.run(scenario()) == {"ensemble": 1, "bentoml": 1 + closing} and closing >= 1
 
 
 def test_the_section_shows_how_many_cores_each_window_kept_busy():
@@ -232,6 +236,9 @@ def test_a_bentoml_window_with_a_worker_idle_fails_the_row_whatever_the_ratio():
     one_worker = balanced + [dict(window("bentoml", 64.0), server_cores=0.99)]
     row = bentoml_baseline.target_row(section(one_worker))
     assert not row.met and "kept 0.99 cores busy in 1 window(s)" in row.unmet_reason
+    # A window that answered nothing fails for that, not for its cores; the batching layout is not judged.
+    assert not bentoml_baseline.underused_windows(balanced + [window("bentoml", 0.0, cores=0.0)])
+    assert not bentoml_baseline.target_row(dict(section(one_worker), variant="adaptive_batching")).unmet_reason
     # Results files from before the figure: CPU per request x throughput (10 ms x 64/s = 0.64 cores).
     old = [window("ensemble", 180.0), window("bentoml", 170.0), window("bentoml", 64.0)]
     for w in old:

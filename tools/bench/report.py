@@ -571,7 +571,7 @@ def _latency_c1_table(results, add):
     if beside:
         layouts = ", ".join(f"{name} {' then '.join(_f(run[name], 2) for run in beside)}" for name in beside[0])
         add(f"The in-process single-image latency these are held against (issue 21's targets), one image at a "
-            f"time at batch 1, right before and right after them, ms per image by layout: {layouts}; the "
+            f"time at batch 1, right before and right after them, ms per image by layout: {layouts}; "
             f"the shortest layout's mean, {_f(inprocess_latency_ms(results), 2)} ms.\n")
 
 
