@@ -244,3 +244,14 @@ def test_a_bentoml_window_with_a_worker_idle_fails_the_row_whatever_the_ratio():
     for w in old:
         del w["server_cores"]
     assert bentoml_baseline.underused_windows(old) == [pytest.approx(0.64)]
+
+
+def test_a_bentoml_sweep_point_with_a_worker_idle_is_named_beside_the_row():
+    balanced = [window("ensemble", 120.0, cores=1.85), window("bentoml", 110.0, cores=1.87)]
+    measured = section(balanced)
+    measured["sweep_bentoml"] = {"no_batching": {"8": window("bentoml", 60.0, cores=0.98),
+                                                 "16": window("bentoml", 115.0, cores=1.86)}}
+    row = bentoml_baseline.target_row(measured)
+    assert not row.unmet_reason and "sweep points with a worker idle (c=8)" in row.detail
+    measured["sweep_bentoml"]["no_batching"]["8"]["server_cores"] = 1.84
+    assert "sweep points" not in bentoml_baseline.target_row(measured).detail

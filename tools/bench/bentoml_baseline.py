@@ -160,6 +160,12 @@ def target_row(section):
     if idle and not unmet:
         unmet = (f"BentoML kept {', '.join(f'{c:.2f}' for c in idle)} cores busy in {len(idle)} window(s) "
                  "against the ensemble's, one worker idle: not at its limit, so the ratio flatters")
+    # A sweep point on one worker does not void the windows, but it may have picked their concurrency.
+    sweep = section.get("sweep_bentoml", {}).get("no_batching", {})
+    pinned = [c for c, point in sweep.items() if section["variant"] == "no_batching" and
+              underused_windows(section["windows"] + [point])]
+    if pinned:
+        detail += f"; BentoML sweep points with a worker idle (c={', '.join(map(str, pinned))}): its concurrency may be mis-picked"
     return Target(name, section["ratio"], section["target_ratio"], unmet_reason=unmet,
                   detail=f"not met whatever the ratio: {unmet}; {detail}" if unmet else detail)
 
