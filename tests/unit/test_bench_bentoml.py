@@ -255,3 +255,7 @@ def test_a_bentoml_sweep_point_with_a_worker_idle_is_named_beside_the_row():
     assert not row.unmet_reason and "sweep points with a worker idle (c=8)" in row.detail
     measured["sweep_bentoml"]["no_batching"]["8"]["server_cores"] = 1.84
     assert "sweep points" not in bentoml_baseline.target_row(measured).detail
+    # A window on one worker fails the row; it does not make every sweep point look like one.
+    measured["windows"].append(window("bentoml", 64.0, cores=0.99))
+    row = bentoml_baseline.target_row(measured)
+    assert row.unmet_reason and "sweep points" not in row.detail

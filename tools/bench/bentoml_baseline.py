@@ -120,15 +120,16 @@ def window_cores(window):
     return window["server_cpu_ms_per_request"] * window["throughput"] / 1e3
 
 
-def underused_windows(windows, workers=2):
-    """BentoML's answering windows that kept under 3/4 of the cores the ensemble's kept busy (the
-    median of theirs), or of its `workers`, whichever is less: a kept-alive pool on one worker, the
-    other idle (BENTOML_RECONNECT_EVERY)."""
+def underused_windows(windows, candidates=None, workers=2):
+    """The cores of BentoML's answering `candidates` (default: its `windows`) that kept under 3/4 of
+    the cores the ensemble's windows kept busy (the median of theirs), or of its `workers`, whichever
+    is less: a kept-alive pool on one worker, the other idle (BENTOML_RECONNECT_EVERY)."""
     ensemble = [window_cores(w) for w in windows if w["side"] == "ensemble"]
     if not ensemble:
         return []
     floor = 0.75 * min(statistics.median(ensemble), workers)
-    return [cores for cores in (window_cores(w) for w in windows if w["side"] == "bentoml" and w["throughput"])
+    candidates = windows if candidates is None else candidates
+    return [cores for cores in (window_cores(w) for w in candidates if w["side"] == "bentoml" and w["throughput"])
             if cores < floor]
 
 
@@ -156,14 +157,14 @@ def target_row(section):
     unmet = f"{failures['ensemble']} ensemble request(s) failed" if failures["ensemble"] else ""
     # Only the layout whose workers share one listening socket; the batching one runs a front and a
     # classifier process by design, 1.4-1.6 cores here.
-    idle = underused_windows(section["windows"]) if section["variant"] == "no_batching" else []
+    judged = section["variant"] == "no_batching"
+    idle = underused_windows(section["windows"]) if judged else []
     if idle and not unmet:
         unmet = (f"BentoML kept {', '.join(f'{c:.2f}' for c in idle)} cores busy in {len(idle)} window(s) "
                  "against the ensemble's, one worker idle: not at its limit, so the ratio flatters")
     # A sweep point on one worker does not void the windows, but it may have picked their concurrency.
-    sweep = section.get("sweep_bentoml", {}).get("no_batching", {})
-    pinned = [c for c, point in sweep.items() if section["variant"] == "no_batching" and
-              underused_windows(section["windows"] + [point])]
+    sweep = section.get("sweep_bentoml", {}).get("no_batching", {}) if judged else {}
+    pinned = [c for c, point in sweep.items() if underused_windows(section["windows"], [point])]
     if pinned:
         detail += f"; BentoML sweep points with a worker idle (c={', '.join(map(str, pinned))}): its concurrency may be mis-picked"
     return Target(name, section["ratio"], section["target_ratio"], unmet_reason=unmet,

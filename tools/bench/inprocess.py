@@ -213,11 +213,11 @@ def measure_layout(runtime, repository, jpegs, processes, threads, batch_sizes, 
         cause = next((e for e in errors if not e.startswith("BrokenBarrierError")), errors[0])
         raise RuntimeError(f"in-process {runtime} {processes}x{threads}: {cause}")
     total = lambda key, batch: sum(out[key][batch] for out in outs)  # noqa: E731
+    row = {"name": f"{processes}x{threads}", "processes": processes, "threads": threads,
+           "e2e": {b: total("e2e", b) for b in batch_sizes}}
     if e2e_only:
-        return {"name": f"{processes}x{threads}", "processes": processes, "threads": threads,
-                "e2e": {b: total("e2e", b) for b in batch_sizes}}
-    return {"name": f"{processes}x{threads}", "processes": processes, "threads": threads,
-            "e2e": {b: total("e2e", b) for b in batch_sizes},
+        return row
+    return {**row,
             "forward": {b: total("forward", b) for b in batch_sizes},
             "decode": sum(out["decode"] for out in outs),
             # One worker's own rate: what one server instance with these threads could do alone.
