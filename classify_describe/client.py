@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from classify_describe.http_transport import HttpTransport
 from classify_describe.throttle import AdaptiveThrottle
 
 MODEL_NAME = "classify_and_describe"
@@ -73,9 +74,9 @@ def queue_refused(message):
 
 
 def _no_answer_errors():
-    # geventhttpclient raises plain socket errors (ConnectionRefusedError, reset,
-    # socket timeout) and an http.client.HTTPException for a connection closed
-    # before the answer; aiohttp its ClientConnectionError family,
+    # The sync client's transport (http.client) raises plain socket errors
+    # (ConnectionRefusedError, reset, TimeoutError) and an http.client.HTTPException
+    # for a connection closed before the whole answer; aiohttp its ClientConnectionError family,
     # ClientPayloadError for an answer cut short, and TimeoutError.
     errors = [ConnectionError, TimeoutError, asyncio.TimeoutError, http.client.HTTPException]
     try:
@@ -356,6 +357,18 @@ def _http_error(status, body, module):
     return module.InferenceServerException(msg=_error_message(body) or f"HTTP {status}", status=str(status))
 
 
+def _http_request_body(inputs, outputs, parameters, key_headers):
+    """(body, headers) of an infer request as tritonclient's HTTP clients make it (binary tensors)."""
+    import tritonclient.http
+
+    body, json_size = tritonclient.http.InferenceServerClient.generate_request_body(
+        inputs, outputs=outputs, parameters=parameters)
+    headers = dict(key_headers or {})
+    if json_size is not None:
+        headers["Inference-Header-Content-Length"] = str(json_size)
+    return body, headers
+
+
 def _http_result(body, headers):
     """The InferResult of a 200's body; TritonRequestError when it is not an inference answer."""
     import tritonclient.http
@@ -498,16 +511,17 @@ class Client(_Throttling):
 
         `retries`: how many times to resend a request that got no answer
         (connection refused or broken, e.g. while the server restarts) or
-        UNAVAILABLE; 0 (the default) never resends. (Over HTTP the sync client's
-        transport, geventhttpclient, itself sends a request again, up to twice, when
-        its connection closes before any answer, as it does for a keep-alive
-        connection the server closed while idle; gRPC and AsyncClient do not.)
-        Errors about the request
+        UNAVAILABLE; 0 (the default) never resends: each attempt is sent once (a
+        kept-alive connection the server closed while idle is noticed before
+        sending, and a new one made). Errors about the request
         itself (INVALID_ARG: a bad image, a limit) are never resent, nor is a
         request that timed out (the server may still be working on it).
         Attempts the throttle holds back unsent do not use a resend (up to
         HELD_BACK_PER_RESEND x `retries` of them), so under a long overload a
         call may wait up to retries x (1 + HELD_BACK_PER_RESEND) back-offs.
+
+        `timeout_s`: for the whole of one attempt (connect, send, the whole
+        answer), not for each read.
 
         `infer` raises TritonRequestError when the server answered with an
         error, and the connection's own error (ConnectionError, TimeoutError...)
@@ -523,31 +537,43 @@ class Client(_Throttling):
         self._model_name = model_name
         self._timeout_s = timeout_s
         if protocol == "http":
-            self._client = self._module.InferenceServerClient(
-                url, connection_timeout=timeout_s, network_timeout=timeout_s)
+            # Our own transport, not tritonclient's (geventhttpclient): that one resends on its
+            # own and bounds each read, not the exchange (classify_describe/http_transport.py).
+            self._client = HttpTransport(url, timeout_s)
         else:
             self._client = self._module.InferenceServerClient(url)
 
     def infer(self, image, prompt=None, parameters=None):
         """`parameters`: optional per-request LLM overrides, e.g. {"temperature": 0.2}."""
         inputs, outputs = _build_inputs(self._module, image, prompt)
-        kwargs = {"client_timeout": self._timeout_s} if self._protocol == "grpc" else {}
         started = time.perf_counter()
         attempts = _Attempts(self)
         while True:
             try:
                 attempts.begin()
-                result = self._client.infer(self._model_name, inputs, outputs=outputs,
-                                            parameters=parameters, headers=_copy(self._headers), **kwargs)
-            except ValueError as error:  # tritonclient's JSON parser, on a 200 that is no inference answer
-                attempts.answered()
-                raise _bad_answer(error) from error
+                if self._protocol == "grpc":
+                    result = self._client.infer(self._model_name, inputs, outputs=outputs, parameters=parameters,
+                                                headers=_copy(self._headers), client_timeout=self._timeout_s)
+                else:
+                    answer = self._http_infer(inputs, outputs, parameters)
             except Exception as error:
                 wait_s = attempts.after_failure(error)
             else:
                 attempts.answered()
+                if self._protocol == "http":
+                    result = _http_result(*answer)
                 return _parse(result, (time.perf_counter() - started) * 1e3)
             time.sleep(wait_s)
+
+    def _http_infer(self, inputs, outputs, parameters):
+        """One POST to Triton's infer endpoint: (body, headers) of a 200, else the
+        InferenceServerException tritonclient would raise."""
+        body, headers = _http_request_body(inputs, outputs, parameters, self._headers)
+        status, response_headers, data = self._client.request(
+            "POST", f"/v2/models/{quote(self._model_name)}/infer", body=body, headers=headers)
+        if status != 200:
+            raise _http_error(status, data[:ERROR_BODY_BYTES], self._module)
+        return data, response_headers
 
     def stream(self, image, prompt=None, parameters=None, model_name=STREAM_MODEL_NAME):
         """Yield StreamEvents of one classify_and_describe_stream request: the
@@ -619,7 +645,10 @@ class Client(_Throttling):
             connection.close()  # early: the server sees the connection go
 
     def is_ready(self):
-        return self._client.is_server_ready() and self._client.is_model_ready(self._model_name)
+        if self._protocol == "grpc":
+            return self._client.is_server_ready() and self._client.is_model_ready(self._model_name)
+        return all(self._client.request("GET", path)[0] == 200
+                   for path in ("/v2/health/ready", f"/v2/models/{quote(self._model_name)}/ready"))
 
     def close(self):
         self._client.close()
@@ -697,13 +726,7 @@ class AsyncClient(_Throttling):
     async def _http_infer(self, inputs, outputs, parameters):
         """One POST to Triton's infer endpoint, as tritonclient's aio client makes it but for
         redirects: (body, headers) of a 200, else the InferenceServerException it would raise."""
-        import tritonclient.http
-
-        body, json_size = tritonclient.http.InferenceServerClient.generate_request_body(
-            inputs, outputs=outputs, parameters=parameters)
-        headers = dict(self._headers or {})
-        if json_size is not None:
-            headers["Inference-Header-Content-Length"] = str(json_size)
+        body, headers = _http_request_body(inputs, outputs, parameters, self._headers)
         async with self._client.post(f"http://{self._url}/v2/models/{quote(self._model_name)}/infer", data=body,
                                      headers=headers, allow_redirects=False) as response:
             if response.status != 200:

@@ -3,8 +3,10 @@
 The stand-in speaks just enough of KServe v2 (POST /v2/models/<m>/infer) for
 tritonclient: each image's bytes say how the stand-in treats it, "ok:cat" is
 answered, "drop:x" gets the connection closed without an answer, "timeout:x" no
-answer until the test ends, "unavailable:x" a 503, "invalid:x" a 400, and a
-"-once" suffix on the kind ("drop-once:x") fails only the first attempt.
+answer until the test ends, "unavailable:x" a 503, "invalid:x" a 400, "hangup:x"
+is answered and then its connection closed without a word (as a server's idle
+timeout closes a kept-alive connection), and a "-once" suffix on the kind
+("drop-once:x") fails only the first attempt.
 """
 
 import asyncio
@@ -17,6 +19,7 @@ import pathlib
 import re
 import socket
 import threading
+import time
 import types
 
 import pytest
@@ -25,7 +28,7 @@ from classify_describe import AsyncClient, Client, Result, TritonRequestError
 from classify_describe import __main__ as cli
 from classify_describe import client as client_module
 
-IMAGE_PATTERN = re.compile(rb"(ok|drop|timeout|unavailable|invalid)(-once)?:(\w+)")
+IMAGE_PATTERN = re.compile(rb"(ok|drop|timeout|unavailable|invalid|hangup)(-once)?:(\w+)")
 
 
 class StandIn(http.server.ThreadingHTTPServer):
@@ -34,6 +37,7 @@ class StandIn(http.server.ThreadingHTTPServer):
     def __init__(self):
         super().__init__(("127.0.0.1", 0), Handler)
         self.attempts = collections.Counter()  # image bytes -> requests seen
+        self.connections = 0  # accepted so far
         self.arrivals = []  # what on_arrival() returned, per request in arrival order
         self.on_arrival = lambda: None
         self.release = threading.Event()  # ends the "timeout" waits
@@ -52,6 +56,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+    def setup(self):
+        super().setup()
+        with self.server.lock:
+            self.server.connections += 1
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -72,6 +81,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.reply(503, {"error": "Request for unknown model: 'classify_and_describe' is not ready"})
         elif kind == "invalid":
             self.reply(400, {"error": "IMAGE is not a recognised image file"})
+        elif kind == "hangup":
+            self.reply(200, answer(name))
+            self.close_connection = True  # no "Connection: close": the client learns it from the FIN
         else:
             self.reply(200, answer(name))
 
@@ -212,17 +224,81 @@ def test_sync_client_retries_unavailable_and_a_closed_connection(stand_in, no_ba
     with Client(stand_in.url, timeout_s=5, retries=1) as client:
         assert client.infer(b"unavailable-once:restart").description == "described restart"
         assert client.retried == 1
-        # geventhttpclient resends once by itself on a closed connection, then raises
-        # HTTPConnectionClosed (an http.client.HTTPException); the client resends it too
+        # a connection closed with no answer: http.client's RemoteDisconnected, resent once
         with pytest.raises(http.client.HTTPException):
             client.infer(b"drop:gone")
-        assert client.retried == 2
+        assert client.retried == 2 and stand_in.attempts[b"drop:gone"] == 2
         with pytest.raises(TritonRequestError) as down:
             client.infer(b"unavailable:down")
         assert down.value.retryable and client.retried == 3
         with pytest.raises(TritonRequestError) as bad:
             client.infer(b"invalid:bad")
         assert not bad.value.retryable and client.retried == 3
+
+
+def test_sync_http_sends_each_attempt_once(stand_in):
+    # retries=0 is one send. (tritonclient's own HTTP transport, geventhttpclient, sent a
+    # request closed without an answer up to three times by itself.)
+    with Client(stand_in.url, timeout_s=5, retries=0) as client:
+        with pytest.raises(http.client.HTTPException):
+            client.infer(b"drop:gone")
+        assert stand_in.attempts[b"drop:gone"] == 1 and client.retried == 0
+        assert client.infer(b"ok:after").description == "described after"  # a new connection
+
+
+def test_sync_http_keeps_one_connection_and_notices_when_the_server_closed_it(stand_in):
+    with Client(stand_in.url, timeout_s=5, retries=0) as client:
+        for number in range(3):
+            assert client.infer(f"ok:n{number}".encode()).description == f"described n{number}"
+        assert stand_in.connections == 1  # kept alive
+        client.infer(b"hangup:idle")  # answered, then the server closes the connection silently
+        time.sleep(0.3)  # the FIN arrives while the connection is idle
+        # seen closed before sending: a new connection, no error, and still one send
+        assert client.infer(b"ok:later").description == "described later"
+        assert stand_in.connections == 2 and stand_in.attempts[b"ok:later"] == 1
+
+
+class TricklingServer:
+    """Accepts one connection, reads a request and answers it a byte at a time: `headers_gap_s`
+    between the header's bytes, `body_gap_s` between the body's."""
+
+    def __init__(self, headers_gap_s, body_gap_s):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.gaps = headers_gap_s, body_gap_s
+        self.stop = threading.Event()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        connection, _ = self.listener.accept()
+        with connection:
+            connection.recv(1 << 20)
+            body = json.dumps(answer("slow")).encode()
+            headers = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            for part, gap_s in zip((headers, body), self.gaps):
+                for byte in part:
+                    if self.stop.wait(gap_s):
+                        return
+                    connection.sendall(bytes([byte]))
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("gaps", [(0.05, 0.0), (0.0, 0.05)], ids=["headers", "body"])
+def test_sync_http_timeout_bounds_the_whole_answer_not_each_read(gaps):
+    # The answer trickles a byte every 50 ms, well within the timeout for each read: 4 s or
+    # more in all. timeout_s=0.5 is for the whole exchange, the headers or the body.
+    server = TricklingServer(*gaps)
+    try:
+        with Client(server.url, timeout_s=0.5) as client:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                client.infer(b"ok:slow")
+            assert time.monotonic() - started < 2.5
+    finally:
+        server.close()
 
 
 # ---------------------------------------------------------------- the back-off itself

@@ -155,7 +155,7 @@ def test_a_server_that_does_not_answer_is_given_up_on_after_timeout_s(serve):
     server = serve(hang=True)
     with Client(server.url, timeout_s=0.3) as client:
         started = time.monotonic()
-        with pytest.raises(TimeoutError):  # geventhttpclient's socket timeout
+        with pytest.raises(TimeoutError):  # the transport's deadline
             client.is_ready()
         # 0.3 s asked for, against tritonclient's own 60 s default: 20 s is room for a busy machine
         assert time.monotonic() - started < 20
