@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from classify_describe.http_transport import HttpTransport
+from classify_describe import http_transport
 from classify_describe.throttle import AdaptiveThrottle
 
 MODEL_NAME = "classify_and_describe"
@@ -521,7 +521,9 @@ class Client(_Throttling):
         call may wait up to retries x (1 + HELD_BACK_PER_RESEND) back-offs.
 
         `timeout_s`: for the whole of one attempt (connect, send, the whole
-        answer), not for each read.
+        answer; for `stream`, the whole stream), not for each read; None: no
+        limit. Threads may share a Client; over HTTP their requests take turns
+        on its one connection.
 
         `infer` raises TritonRequestError when the server answered with an
         error, and the connection's own error (ConnectionError, TimeoutError...)
@@ -539,7 +541,7 @@ class Client(_Throttling):
         if protocol == "http":
             # Our own transport, not tritonclient's (geventhttpclient): that one resends on its
             # own and bounds each read, not the exchange (classify_describe/http_transport.py).
-            self._client = HttpTransport(url, timeout_s)
+            self._client = http_transport.HttpTransport(url, timeout_s)
         else:
             self._client = self._module.InferenceServerClient(url)
 
@@ -628,10 +630,10 @@ class Client(_Throttling):
             self._client.stop_stream(cancel_requests=True)
 
     def _http_stream(self, image, prompt, parameters, model_name):
-        host, _, port = self._url.rpartition(":")
-        connection = http.client.HTTPConnection(host, int(port), timeout=self._timeout_s)
+        # timeout_s bounds the whole stream, as over gRPC and in AsyncClient, not each read.
+        connection = http_transport.connect(self._url, http_transport.deadline_after(self._timeout_s))
         try:
-            connection.request("POST", f"/v2/models/{quote(model_name)}/generate_stream",
+            connection.request("POST", f"{self._client.base_path}/v2/models/{quote(model_name)}/generate_stream",
                                body=_generate_body(image, prompt, parameters),
                                headers={"Content-Type": "application/json", **(self._headers or {})})
             response = connection.getresponse()
@@ -647,7 +649,8 @@ class Client(_Throttling):
     def is_ready(self):
         if self._protocol == "grpc":
             return self._client.is_server_ready() and self._client.is_model_ready(self._model_name)
-        return all(self._client.request("GET", path)[0] == 200
+        deadline = http_transport.deadline_after(self._timeout_s)  # one timeout_s for both questions
+        return all(self._client.request("GET", path, deadline=deadline)[0] == 200
                    for path in ("/v2/health/ready", f"/v2/models/{quote(self._model_name)}/ready"))
 
     def close(self):
@@ -682,7 +685,9 @@ class AsyncClient(_Throttling):
         self._module = _protocol_module(protocol, asynchronous=True)
         self._protocol = protocol
         self._headers = _key_headers(protocol, inference_key)
-        self._url = url
+        if protocol == "http":
+            http_transport.split_url(url)  # the sync client's url forms, and its errors for others
+        self._url = url.rstrip("/")
         self._model_name = model_name
         self._timeout_s = timeout_s
         self._concurrency = concurrency

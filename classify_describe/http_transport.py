@@ -11,20 +11,29 @@ AsyncClient (generate_request_body, parse_response_body).
 
 import http.client
 import socket
+import threading
 import time
+from urllib.parse import urlsplit
 
 
 class _DeadlineSocket(socket.socket):
-    """A socket whose every send and receive waits only until `deadline` (time.monotonic()),
-    so the exchange as a whole, not each read, is bounded."""
+    """A socket whose every send and receive waits only until `deadline` (time.monotonic(); None:
+    no limit), so the exchange as a whole, not each read, is bounded."""
 
-    deadline = 0.0
+    deadline = None
 
     def _arm(self):
+        if self.deadline is None:
+            self.settimeout(None)
+            return
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out")
         self.settimeout(left)
+
+    def connect(self, address):
+        self._arm()
+        return super().connect(address)
 
     def sendall(self, data, *flags):
         self._arm()
@@ -40,8 +49,9 @@ class _DeadlineSocket(socket.socket):
 
     def closed_by_peer(self):
         """Whether the server closed this idle connection (or sent something unasked): a request
-        sent on it would get no answer. Checked before reuse, so that the request is not lost
-        to a connection the server had already dropped, without ever sending it twice."""
+        sent on it would get no answer. Checked before reuse, so that a close that has arrived
+        costs a reconnect, not the request. (One that crosses the request on the wire is a
+        no-answer error, resent only under the caller's `retries`.)"""
         self.setblocking(False)
         try:
             socket.socket.recv(self, 1, socket.MSG_PEEK)  # b"": closed; bytes: nothing was asked
@@ -53,50 +63,101 @@ class _DeadlineSocket(socket.socket):
 
 
 class _Connection(http.client.HTTPConnection):
+    deadline = None
+
     def connect(self):
-        super().connect()
-        self.sock = _DeadlineSocket(fileno=self.sock.detach())
+        # socket.create_connection gives each of the host's addresses the whole timeout; here
+        # they share the deadline. (The name lookup itself is the resolver's to bound.)
+        error = None
+        for family, kind, proto, _, address in socket.getaddrinfo(self.host, self.port, 0, socket.SOCK_STREAM):
+            sock = _DeadlineSocket(family, kind, proto)
+            sock.deadline = self.deadline
+            try:
+                sock.connect(address)
+            except OSError as failure:  # TimeoutError included: the deadline passed
+                sock.close()
+                error = failure
+                if isinstance(failure, TimeoutError):
+                    raise
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = sock
+            return
+        raise error or OSError(f"no address for {self.host}")
+
+
+def split_url(url):
+    """(host, port, base path) of a tritonclient-style url: host:port[/base-path], no scheme."""
+    if "://" in url:
+        raise ValueError(f"url is host:port[/base-path], without the scheme: {url!r}")
+    parts = urlsplit("//" + url)
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise ValueError(f"url is host:port[/base-path]; the port of {url!r} is not a number") from None
+    if not parts.hostname:
+        raise ValueError(f"url is host:port[/base-path], not {url!r}")
+    return parts.hostname, port, parts.path.rstrip("/")  # hostname: "[::1]" without its brackets
+
+
+def connect(url, deadline):
+    """A new connection to `url` whose every send and receive waits only until `deadline`
+    (time.monotonic(); None: no limit): for one exchange, a stream's included."""
+    host, port, _ = split_url(url)
+    connection = _Connection(host, port)
+    connection.deadline = deadline
+    connection.connect()
+    return connection
+
+
+def deadline_after(timeout_s):
+    return None if timeout_s is None else time.monotonic() + timeout_s
 
 
 class HttpTransport:
-    """Requests to one server over one kept-alive connection; not thread-safe (one per Client)."""
+    """Requests to one server over one kept-alive connection. Threads that share it take turns
+    (a connection carries one exchange at a time)."""
 
     def __init__(self, url, timeout_s):
-        host, _, port = url.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"url must be host:port, not {url!r}")
-        self._host, self._port = host.strip("[]"), int(port)  # "[::1]:8000": IPv6
+        _, _, self.base_path = split_url(url)  # a malformed url fails here, not at the first request
+        self._url = url
         self._timeout_s = timeout_s
         self._connection = None
+        self._lock = threading.Lock()
 
-    def request(self, method, path, body=None, headers=None):
+    def request(self, method, path, body=None, headers=None, deadline=None):
         """(status, headers, body) of one exchange, sent once. No answer within timeout_s (connect,
-        send and the whole answer together) raises TimeoutError; a connection refused, reset or
-        closed before the whole answer raises ConnectionError or http.client.HTTPException."""
-        deadline = time.monotonic() + self._timeout_s
-        try:
-            connection = self._ready_connection(deadline)
-            connection.sock.deadline = deadline
-            connection.request(method, path, body=body, headers=headers or {})
-            response = connection.getresponse()
-            data = response.read()
-        except BaseException:
-            self.close()  # the framing of whatever was left on it is lost
-            raise
-        if response.will_close:
-            self.close()
+        send and the whole answer together), or by `deadline` when given, raises TimeoutError; a
+        connection refused, reset or closed before the whole answer raises ConnectionError or
+        http.client.HTTPException."""
+        if deadline is None:
+            deadline = deadline_after(self._timeout_s)
+        with self._lock:
+            try:
+                connection = self._ready_connection(deadline)
+                connection.sock.deadline = deadline
+                connection.request(method, self.base_path + path, body=body, headers=headers or {})
+                response = connection.getresponse()
+                data = response.read()
+            except BaseException:
+                self._close()  # the framing of whatever was left on it is lost
+                raise
+            if response.will_close:
+                self._close()
         return response.status, response.headers, data
 
     def _ready_connection(self, deadline):
         if self._connection is not None and self._connection.sock.closed_by_peer():
-            self.close()
+            self._close()
         if self._connection is None:
-            connection = _Connection(self._host, self._port, timeout=max(deadline - time.monotonic(), 1e-3))
-            connection.connect()
-            self._connection = connection
+            self._connection = connect(self._url, deadline)
         return self._connection
 
     def close(self):
+        with self._lock:
+            self._close()
+
+    def _close(self):
         if self._connection is not None:
             self._connection.close()
             self._connection = None

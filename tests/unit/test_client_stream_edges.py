@@ -25,10 +25,13 @@ EVENTS = [
 class StandIn(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, events=EVENTS, status=200, ready=True, hang=False):
+    def __init__(self, events=EVENTS, status=200, ready=True, hang=False, dribble=False):
         super().__init__(("127.0.0.1", 0), Handler)
         self.events, self.status, self.ready = events, status, ready
         self.hang = threading.Event() if hang else None  # GETs wait for it (set at teardown)
+        # POSTs send a comment line every 50 ms for 8 s instead of the events: a stream that is
+        # alive for every read and far longer than the clients' timeout_s
+        self.dribble = threading.Event() if dribble else None
         self.requests = []  # (method, path, body)
 
     @property
@@ -55,6 +58,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests.append(("POST", self.path, body))
+        if self.server.dribble is not None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Content-Length", "1000000")
+            self.end_headers()
+            ends = time.monotonic() + 8  # then closes, so that a client without the bound fails, not hangs
+            try:
+                while time.monotonic() < ends and not self.server.dribble.wait(0.05):
+                    self.wfile.write(b": still here\n\n")
+                    self.wfile.flush()
+            except OSError:
+                pass  # the client gave up, as it should
+            self.close_connection = True
+            return
         lines = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in self.server.events)
         self.send_response(self.server.status)
         self.send_header("Content-Type", "text/event-stream")
@@ -75,8 +92,9 @@ def serve():
 
     yield start
     for server in servers:
-        if server.hang is not None:
-            server.hang.set()
+        for event in (server.hang, server.dribble):
+            if event is not None:
+                event.set()
         server.shutdown()
         server.server_close()
 
@@ -159,3 +177,22 @@ def test_a_server_that_does_not_answer_is_given_up_on_after_timeout_s(serve):
             client.is_ready()
         # 0.3 s asked for, against tritonclient's own 60 s default: 20 s is room for a busy machine
         assert time.monotonic() - started < 20
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_timeout_s_bounds_a_whole_http_stream_not_each_read(serve, client_kind):
+    # The stream sends a line every 50 ms and never ends: each read is well within 0.5 s,
+    # the stream is not. (The sync client bounded each read until 2026-12-07.)
+    server = serve(dribble=True)
+    started = time.monotonic()
+    with pytest.raises((TimeoutError, asyncio.TimeoutError)):
+        if client_kind == "sync":
+            with Client(server.url, timeout_s=0.5) as client:
+                list(client.stream(b"img"))
+        else:
+            async def run():
+                async with AsyncClient(server.url, timeout_s=0.5) as client:
+                    return [event async for event in client.stream(b"img")]
+
+            asyncio.run(run())
+    assert time.monotonic() - started < 2.5
