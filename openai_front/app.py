@@ -269,6 +269,26 @@ def load_json(raw):
         raise invalid("the request body is not valid JSON") from None
 
 
+async def read_body(request, limit):
+    """The whole body as bytes, copied once: as aiohttp's request.read() reads it
+    (its buffers raised to the limit, the same 413 past it) but without its
+    bytearray, whose growth and copy into bytes cost three to four copies of a
+    photo's 622 KB (docs/benchmarks-method.md#the-openai-fronts-cpu)."""
+    request.content.set_read_chunk_size(limit)
+    chunks, size = [], 0
+    while True:
+        chunk, end_of_http_chunk = await request.content.readchunk()
+        if not chunk:
+            if end_of_http_chunk:
+                continue  # a chunked body's chunk ended where the last read did
+            break
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 async def read_request(request):
     """The request's ChatRequest: the body read, parsed and its image decoded,
     in a worker thread when the body is large."""
@@ -279,7 +299,7 @@ async def read_request(request):
         try:
             async with asyncio.timeout(settings.body_timeout_s):
                 await expect_continue.send(request)
-                raw = await request.read()
+                raw = await read_body(request, max_body_bytes(settings))
             access_log.note(request, bytes_in=len(raw))
         except TimeoutError:
             raise FrontError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "

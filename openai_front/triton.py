@@ -1,7 +1,8 @@
 """The front's only way to the pipeline: Triton's gRPC endpoint, through a
 few tritonclient.grpc.aio channels used in turn (each channel multiplexes
-every request in flight on it over HTTP/2). Triton's outputs become a plain
-`Answer`; Triton's errors become FrontErrors with the status a client acts on."""
+every request in flight on it over HTTP/2). Requests go out as bytes built
+here (build_request); Triton's outputs become a plain `Answer`; Triton's
+errors become FrontErrors with the status a client acts on."""
 
 import asyncio
 import dataclasses
@@ -10,9 +11,8 @@ import json
 import re
 
 import grpc
-import numpy as np
 import tritonclient.grpc.aio as grpcclient
-from tritonclient.grpc import InferResult, model_config_pb2
+from tritonclient.grpc import InferResult, model_config_pb2, service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
@@ -39,6 +39,10 @@ REQUEST_FIELDS = {"IMAGE": "messages", "PROMPT": "messages", "conversation": "me
                   "response_format": "response_format", "temperature": "temperature", "max_tokens": "max_tokens"}
 # Triton puts these before a step's message: "in ensemble 'x', " and "[request id: y] ".
 _PREFIXES = re.compile(r"^(?:in ensemble '[^']*', |\[request id: [^\]]*\] )*")
+# The tag on the wire of ModelInferRequest.raw_input_contents (grpc_service.proto: field 7,
+# length-delimited), the one field build_request writes itself.
+RAW_INPUT_CONTENTS_TAG = bytes([7 << 3 | 2])
+SERVICE = "/inference.GRPCInferenceService/"
 
 
 @dataclasses.dataclass
@@ -67,15 +71,6 @@ def _json(value):
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
-def inputs_for(image, prompt):
-    tensors = [grpcclient.InferInput("IMAGE", [1, 1], "BYTES")]
-    tensors[0].set_data_from_numpy(np.array([[image]], dtype=np.object_))
-    if prompt is not None:
-        tensors.append(grpcclient.InferInput("PROMPT", [1, 1], "BYTES"))
-        tensors[1].set_data_from_numpy(np.array([[prompt.encode("utf-8")]], dtype=np.object_))
-    return tensors
-
-
 def queue_timeout_us(config):
     """A model's queue time limit (microseconds): the longest of its policies that refuse on
     timeout (REJECT; DELAY does not refuse), every priority level's; 0 without one."""
@@ -86,21 +81,47 @@ def queue_timeout_us(config):
 
 
 def build_request(model, image, prompt=None, parameters=None, request_id=""):
-    """The ModelInferRequest, built here in the handler: an input that cannot
-    be sent is that request's 400, never an error inside gRPC's request
-    iterator (which the stream swallows and answers with a cancelled call).
-    request_id becomes Triton's request id, which the describe step passes
-    on to the LLM upstream and puts in its log lines."""
+    """The ModelInferRequest, serialized (bytes), built here in the handler: an
+    input that cannot be sent is that request's 400, never an error inside
+    gRPC's request iterator (which the stream swallows and answers with a
+    cancelled call). request_id becomes Triton's request id, which the
+    describe step passes on to the LLM upstream and puts in its log lines.
+
+    tritonclient builds every field but the tensors' contents; those follow
+    as raw_input_contents written here, each a BYTES tensor's one element (its
+    4-byte little-endian length, then its bytes). In protobuf's encoding,
+    fields written after a serialized message are fields of that message, a
+    repeated field's values adding up in order, so Triton reads the same
+    request. The photo is copied once, into the bytes sent, where tritonclient
+    and protobuf copied it three times (the length-prefixed join, protobuf's
+    copy in, its serialization out): docs/benchmarks-method.md#the-openai-fronts-cpu."""
     try:
-        return _get_inference_request(
-            model_name=model, inputs=inputs_for(image, prompt), model_version="", request_id=request_id, outputs=None,
+        contents = [image] if prompt is None else [image, prompt.encode("utf-8")]
+        tensors = [grpcclient.InferInput(name, [1, 1], "BYTES") for name in ("IMAGE", "PROMPT")[:len(contents)]]
+        fields = _get_inference_request(
+            model_name=model, inputs=tensors, model_version="", request_id=request_id, outputs=None,
             sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
-            parameters=parameters or None)
+            parameters=parameters or None).SerializeToString()
     except UnicodeEncodeError:
         raise invalid("the text parts are not valid Unicode (a lone surrogate?)", param="messages") from None
     except (ValueError, TypeError, OverflowError, InferenceServerException) as error:
         message = error.message() if isinstance(error, InferenceServerException) else str(error)
         raise invalid(f"the request cannot be sent to the pipeline: {message}") from None
+    parts = [fields]
+    for content in contents:
+        length = len(content)
+        parts += (RAW_INPUT_CONTENTS_TAG, _varint(length + 4), length.to_bytes(4, "little"), content)
+    return b"".join(parts)
+
+
+def _varint(number):
+    """A non-negative integer in protobuf's base-128 varint: 7 bits a byte, low first."""
+    encoded = bytearray()
+    while number > 0x7F:
+        encoded.append(number & 0x7F | 0x80)
+        number >>= 7
+    encoded.append(number)
+    return bytes(encoded)
 
 
 def read_outputs(result, answer):
@@ -196,12 +217,23 @@ def inference_metadata(key):
     return ((INFERENCE_KEY_HEADER, key),) if key else ()
 
 
-class TritonPool:
-    """Create inside the running event loop (gRPC aio channels belong to it).
+class InferenceCalls:
+    """Triton's two inference calls on one channel, as tritonclient's stub makes
+    them but sending requests serialized beforehand (build_request):
+    tritonclient's own stream_infer builds the request inside gRPC's request
+    iterator, where an error is swallowed and the call cancelled."""
 
-    The calls go through each client's stub with a request built beforehand
-    (build_request): tritonclient's own stream_infer builds the request inside
-    gRPC's request iterator, where an error is swallowed and the call cancelled."""
+    def __init__(self, channel):
+        self.ModelInfer = channel.unary_unary(  # noqa: N815 - the service's own names, as in the stub
+            SERVICE + "ModelInfer", response_deserializer=service_pb2.ModelInferResponse.FromString,
+            _registered_method=True)
+        self.ModelStreamInfer = channel.stream_stream(  # noqa: N815
+            SERVICE + "ModelStreamInfer", response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+            _registered_method=True)
+
+
+class TritonPool:
+    """Create inside the running event loop (gRPC aio channels belong to it)."""
 
     def __init__(self, url, channels=2, timeout_s=60.0, inference_key=None):
         self.url = url
@@ -209,6 +241,7 @@ class TritonPool:
         self._metadata = inference_metadata(inference_key)
         self._clients = [grpcclient.InferenceServerClient(url) for _ in range(channels)]
         self._next = itertools.cycle(self._clients)
+        self._calls = itertools.cycle([InferenceCalls(client._channel) for client in self._clients])
         # The config reads (longest_queue_time_s) start while Triton may still be loading: on a
         # channel of their own, with its own subchannel (gRPC shares one per address across a
         # process's channels), so that its reconnect back-off after refused connections never
@@ -226,7 +259,7 @@ class TritonPool:
             return False
 
     def _stub(self):
-        return next(self._next)._client_stub
+        return next(self._calls)
 
     async def longest_queue_time_s(self, models):
         """The longest a request of ours may wait in Triton's queues (seconds), read from the

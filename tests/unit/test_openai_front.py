@@ -9,10 +9,13 @@ import socket
 import threading
 
 import aiohttp
+import numpy as np
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import InferInput, service_pb2
+from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 from openai_front import app as front_app
@@ -382,6 +385,39 @@ def test_a_request_that_cannot_be_built_is_a_400_before_any_call(prompt, paramet
     with pytest.raises(FrontError) as error:
         triton.build_request("m", PNG, prompt, parameters)
     assert error.value.status == 400
+
+
+def tritonclients_request(model, image, prompt, parameters, request_id):
+    """The same request as tritonclient builds it with the tensors' data set."""
+    tensors = []
+    for name, content in (("IMAGE", image), ("PROMPT", None if prompt is None else prompt.encode())):
+        if content is not None:
+            tensors.append(InferInput(name, [1, 1], "BYTES"))
+            tensors[-1].set_data_from_numpy(np.array([[content]], dtype=np.object_))
+    return _get_inference_request(model_name=model, inputs=tensors, model_version="", request_id=request_id,
+                                  outputs=None, sequence_id=0, sequence_start=False, sequence_end=False,
+                                  priority=0, timeout=None, parameters=parameters or None)
+
+
+@pytest.mark.parametrize("image_bytes", [1, 123, 124, 16_379, 16_380, 2_097_147, 2_097_148, 5_000_000])
+@pytest.mark.parametrize("prompt, parameters, request_id", [
+    (None, None, ""),
+    ("What is it?", {"max_tokens": 64, "temperature": 0.5}, "req-1"),
+    ("", {"conversation": '[{"role":"system","content":"Be brief."}]', "flag": True}, ""),
+    ("Qu'est-ce que c'est ? \u732b \U0001f431", {"response_format": '{"type":"json_object"}'}, "x" * 200),
+])
+def test_the_request_sent_is_the_request_tritonclient_builds(image_bytes, prompt, parameters, request_id):
+    """build_request writes the tensors' contents on the wire itself: Triton must read
+    from its bytes the request tritonclient would have sent, field for field, whatever
+    the lengths (varint lengths of 1 to 4 bytes at the sizes chosen: with its 4-byte
+    length prefix, 124 bytes is the first content that takes two), the prompt and the
+    parameters."""
+    image = bytes(range(256)) * (image_bytes // 256) + bytes(image_bytes % 256)
+    sent = triton.build_request("classify_and_describe", image, prompt, parameters, request_id)
+    assert isinstance(sent, bytes)
+    reference = tritonclients_request("classify_and_describe", image, prompt, parameters, request_id)
+    assert service_pb2.ModelInferRequest.FromString(sent) == reference
+    assert len(sent) == reference.ByteSize()
 
 
 class FakeStub:

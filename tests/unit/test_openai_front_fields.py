@@ -12,6 +12,7 @@ import json
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from openai_front import chat, triton
@@ -30,13 +31,15 @@ def last_user(text="What is it?"):
 
 class RecordingPool:
     """Answers at once and records, per call, the parameters of the Triton
-    request built by triton.build_request: those that go on the wire."""
+    request built by triton.build_request, read back from its bytes: those
+    that go on the wire."""
 
     def __init__(self):
         self.calls = []
 
     def _record(self, kind, model, image, prompt, parameters, request_id, metadata):
-        request = triton.build_request(model, image, prompt, parameters, request_id)
+        request = service_pb2.ModelInferRequest.FromString(
+            triton.build_request(model, image, prompt, parameters, request_id))
         sent = {name: getattr(value, value.WhichOneof("parameter_choice")) for name, value in request.parameters.items()}
         self.calls.append({"kind": kind, "model": model, "prompt": prompt, "parameters": sent,
                            "request_id": request.id, "metadata": dict(metadata)})

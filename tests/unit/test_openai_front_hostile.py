@@ -7,6 +7,7 @@ ended at shutdown. Each case has a valid request beside it that must be served.
 The same against a real server and Triton: tests/integration/test_shutdown.py."""
 
 import asyncio
+import base64
 import gzip
 import json
 import logging
@@ -125,6 +126,57 @@ def test_a_chunked_body_over_the_limit_is_413_and_counted_as_413_not_500():
     assert status == 413 and b"image_too_large" in sent
     assert value(metrics, "openai_front_requests_total", model="other", stream="false", status="413") == 1
     assert not value(metrics, "openai_front_requests_total", model="other", stream="false", status="500")
+
+
+class RecordingPool(StalledPool):
+    """Answers at once, keeping the image and the prompt each request brought."""
+
+    def __init__(self):
+        super().__init__()
+        self.received = []
+
+    async def infer(self, model, image, prompt=None, *args, **kwargs):
+        self.received.append((image, prompt))
+        return Answer(labels=["espresso"], scores=[0.9], source="llm", usage={}, description="A cup")
+
+
+def dribbled(payload, piece_bytes, chunked):
+    """The body in pieces: as they are (Content-Length), or each an HTTP chunk of its own
+    whose end comes in a later write (so the front may read a chunk's data before its end)."""
+    pieces = [payload[at:at + piece_bytes] for at in range(0, len(payload), piece_bytes)]
+    if not chunked:
+        return pieces
+    return [part for piece in pieces for part in (b"%x\r\n%s" % (len(piece), piece), b"\r\n")] + [b"0\r\n\r\n"]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("piece_bytes", [1_000_003, 65_536, 7_919])
+def test_a_body_arriving_in_pieces_reaches_the_pipeline_whole(chunked, piece_bytes):
+    """The front gathers a body's pieces itself (app.read_body): every byte, in order, once,
+    however it arrives. A 400 KB photo, sent whole, in 64 KiB pieces or in odd-sized ones
+    with pauses between, with Content-Length or chunked."""
+    image = bytes(range(251)) * 1_600
+    payload = json.dumps(body("data:image/png;base64," + base64.b64encode(image).decode(), text="What is it?")).encode()
+    framing = (b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(payload))
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n")
+    pool = RecordingPool()
+
+    async def main():
+        async with await serving(front_with(pool)) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(head)
+            for piece in dribbled(payload, piece_bytes, chunked):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            return answer
+
+    answer = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert pool.received == [(image, "What is it?")]
 
 
 MALFORMED = {
