@@ -153,7 +153,7 @@ def summary(turns):
     by_front = {name: [t for t in turns if t["front"] == name] for name in ("A", "B")}
     ratios = [b["front_cpu_ms_per_answer"] / a["front_cpu_ms_per_answer"] for a, b in zip(by_front["A"], by_front["B"])]
     rates = [b["answered_per_s"] / a["answered_per_s"] for a, b in zip(by_front["A"], by_front["B"])]
-    return {**{f"front_cpu_ms_per_answer_{name}": statistics.median(t["front_cpu_ms_per_answer"] for t in rows)
+    return {**{f"front_cpu_ms_per_answer_{name}": round(statistics.median(t["front_cpu_ms_per_answer"] for t in rows), 3)
                for name, rows in by_front.items()},
             "cpu_ratio_b_over_a_pairs": [round(r, 3) for r in ratios],
             "cpu_ratio_b_over_a": round(statistics.median(ratios), 3),
