@@ -32,6 +32,8 @@ QUEUE_LIMIT_RETRY_S, QUEUE_LIMIT_REREAD_S = 1.0, 60.0
 # back cost the front 0.36 ms of CPU per 622 KB photo, more than its parse
 # (docs/benchmarks-method.md#the-openai-fronts-cpu).
 OFFLOAD_BYTES = 1024 * 1024
+# read_body gathers pieces of a body smaller than this before keeping them.
+SMALL_PIECE_BYTES = 16 * 1024
 # Answers after which the connection is closed: the rest of the body is never read.
 CLOSE_AFTER = frozenset({408, 413, 415, 417})
 # The cancel message of a stream ended by the front's shutdown (not by its client).
@@ -273,20 +275,35 @@ async def read_body(request, limit):
     """The whole body as bytes, copied once: as aiohttp's request.read() reads it
     (its buffers raised to the limit, the same 413 past it) but without its
     bytearray, whose growth and copy into bytes cost three to four copies of a
-    photo's 622 KB (docs/benchmarks-method.md#the-openai-fronts-cpu)."""
+    photo's 622 KB (docs/benchmarks-method.md#the-openai-fronts-cpu). Pieces of
+    SMALL_PIECE_BYTES or more are kept as aiohttp made them; smaller ones are
+    gathered first, so that a chunked body of 1-byte chunks (each its own bytes
+    object, about 56 bytes of memory a byte) holds about its own size. The
+    bytes are not kept for request.read(): nothing reads the body twice."""
     request.content.set_read_chunk_size(limit)
-    chunks, size = [], 0
+    pieces, small, size = [], bytearray(), 0
     while True:
         chunk, end_of_http_chunk = await request.content.readchunk()
         if not chunk:
-            if end_of_http_chunk:
+            if end_of_http_chunk and not request.content.at_eof():
                 continue  # a chunked body's chunk ended where the last read did
             break
         size += len(chunk)
         if size > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if len(chunk) < SMALL_PIECE_BYTES:
+            small += chunk
+            if len(small) < SMALL_PIECE_BYTES:
+                continue
+            chunk = bytes(small)
+            small.clear()
+        elif small:
+            pieces.append(bytes(small))
+            small.clear()
+        pieces.append(chunk)
+    if small:
+        pieces.append(bytes(small))
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 async def read_request(request):

@@ -102,15 +102,15 @@ def build_request(model, image, prompt=None, parameters=None, request_id=""):
             model_name=model, inputs=tensors, model_version="", request_id=request_id, outputs=None,
             sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
             parameters=parameters or None).SerializeToString()
+        parts = [fields]
+        for content in contents:
+            length = len(content)  # past 4 GiB to_bytes raises OverflowError: that request's 400
+            parts += (RAW_INPUT_CONTENTS_TAG, _varint(length + 4), length.to_bytes(4, "little"), content)
     except UnicodeEncodeError:
         raise invalid("the text parts are not valid Unicode (a lone surrogate?)", param="messages") from None
     except (ValueError, TypeError, OverflowError, InferenceServerException) as error:
         message = error.message() if isinstance(error, InferenceServerException) else str(error)
         raise invalid(f"the request cannot be sent to the pipeline: {message}") from None
-    parts = [fields]
-    for content in contents:
-        length = len(content)
-        parts += (RAW_INPUT_CONTENTS_TAG, _varint(length + 4), length.to_bytes(4, "little"), content)
     return b"".join(parts)
 
 

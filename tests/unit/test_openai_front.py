@@ -9,6 +9,7 @@ import socket
 import threading
 
 import aiohttp
+import grpc
 import numpy as np
 import pytest
 from aiohttp import web
@@ -16,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import InferInput, service_pb2
 from tritonclient.grpc._utils import _get_inference_request
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from openai_front import app as front_app
 from openai_front import chat, responses, settings, triton
@@ -25,6 +26,7 @@ from openai_front.errors import FrontError
 from openai_front.metrics import Metrics
 from openai_front.triton import Answer, front_error
 
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 100
 
 
@@ -899,19 +901,69 @@ def test_finish_reason_is_the_one_the_describe_step_passed_on_in_usage():
     assert json.loads(last[0])["choices"][0]["finish_reason"] == "length"
 
 
-def test_the_pool_reaches_the_stub_calls_it_uses():
-    """TritonPool calls tritonclient's stub directly (tritonclient's own
-    stream_infer builds the request where an error cancels the call): a
-    tritonclient upgrade that renames it fails here, not in production."""
+def triton_response(**outputs):
+    """A ModelInferResponse carrying `outputs` (name -> (datatype, array)) as Triton sends them."""
+    response = service_pb2.ModelInferResponse(model_name="m")
+    for name, (datatype, array) in outputs.items():
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        response.raw_output_contents.append(serialize_byte_tensor(array).item() if datatype == "BYTES"
+                                            else array.tobytes())
+    return response
+
+
+def test_the_pools_calls_send_triton_the_request_with_its_metadata_and_deadline():
+    """TritonPool's two calls (InferenceCalls: the request already serialized) against a
+    gRPC server speaking Triton's service: the server reads the request tritonclient
+    would have sent, with the inference key, the client's trace context and the deadline,
+    and its outputs come back as the Answer."""
+    seen = []
+    answer_outputs = {"LABELS": ("BYTES", np.array([[b"espresso"]], dtype=np.object_)),
+                      "SCORES": ("FP32", np.array([[0.75]], dtype=np.float32)),
+                      "DESCRIPTION": ("BYTES", np.array([[b"A cup."]], dtype=np.object_)),
+                      "DESCRIPTION_SOURCE": ("BYTES", np.array([[b"llm"]], dtype=np.object_))}
+
+    async def infer(request, context):
+        seen.append((request, dict(context.invocation_metadata()), context.time_remaining()))
+        return triton_response(**answer_outputs)
+
+    async def stream(requests, context):
+        async for request in requests:
+            seen.append((request, dict(context.invocation_metadata()), context.time_remaining()))
+            yield service_pb2.ModelStreamInferResponse(infer_response=triton_response(**answer_outputs))
+
+    handler = grpc.method_handlers_generic_handler("inference.GRPCInferenceService", {
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(
+            infer, request_deserializer=service_pb2.ModelInferRequest.FromString,
+            response_serializer=service_pb2.ModelInferResponse.SerializeToString),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+            stream, request_deserializer=service_pb2.ModelInferRequest.FromString,
+            response_serializer=service_pb2.ModelStreamInferResponse.SerializeToString)})
+
     async def main():
-        pool = triton.TritonPool(f"127.0.0.1:{_free_port()}", channels=1)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        pool = triton.TritonPool(f"127.0.0.1:{port}", channels=2, timeout_s=30, inference_key="inf-key")
         try:
-            stub = pool._stub()
-            return callable(stub.ModelInfer) and callable(stub.ModelStreamInfer)
+            answer = await pool.infer("m", PNG, "What is it?", {"max_tokens": 5}, request_id="r1",
+                                      metadata=(("traceparent", TRACEPARENT),))
+            streamed = [text async for _, text in pool.stream("m", PNG, None, None, request_id="r2")]
         finally:
             await pool.close()
+            await server.stop(0)
+        return answer, streamed
 
-    assert asyncio.run(main())
+    answer, streamed = asyncio.run(main())
+    assert (answer.labels, answer.scores, answer.description, answer.source) == (["espresso"], [0.75], "A cup.", "llm")
+    assert streamed == ["A cup."]
+    (infer_request, infer_metadata, infer_deadline), (stream_request, stream_metadata, stream_deadline) = seen
+    assert infer_request == tritonclients_request("m", PNG, "What is it?", {"max_tokens": 5}, "r1")
+    assert stream_request == tritonclients_request("m", PNG, None, None, "r2")
+    for metadata in (infer_metadata, stream_metadata):
+        assert metadata["triton-grpc-protocol-inference-key"] == "inf-key"
+    assert infer_metadata["traceparent"] == TRACEPARENT
+    assert 0 < infer_deadline <= 31 and 0 < stream_deadline <= 31  # 30 s, as its header rounds it up
 
 
 async def _send_head(port, length, first_bytes=b""):

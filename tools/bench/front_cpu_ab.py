@@ -34,7 +34,7 @@ import skimage
 from serving.procfs import cpu_seconds
 from tools import host
 from tools.bench.harness import FakeLLM, Triton, load_average
-from tools.local_stack import free_port, log_tail
+from tools.local_stack import free_port, log_tail, stop_process
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # The front's package and the files its symbolic links point to (backends/openai_describe).
@@ -134,6 +134,8 @@ def run(args, workdir):
             cpu_before, started = cpu_seconds(process.pid), time.monotonic()
             answered, refused = asyncio.run(load(url, body, args.concurrency, args.seconds))
             cpu_s, elapsed = cpu_seconds(process.pid) - cpu_before, time.monotonic() - started
+            if not answered:
+                raise RuntimeError(f"front {name} answered nothing in {args.seconds:g} s ({refused} refused)")
             turns.append({"front": name, "answered": answered, "refused": refused,
                           "answered_per_s": round(answered / elapsed, 2),
                           "front_cpu_ms_per_answer": round(cpu_s / answered * 1e3, 3)})
@@ -141,8 +143,7 @@ def run(args, workdir):
                 f"front CPU {cpu_s / answered * 1e3:.2f} ms per answer")
     finally:
         for process, _, _ in fronts.values():
-            process.terminate()
-            process.wait(30)
+            stop_process(process)
         if triton is not None:
             triton.stop()
         llm.stop()
