@@ -74,11 +74,12 @@ class _Connection(http.client.HTTPConnection):
             sock.deadline = self.deadline
             try:
                 sock.connect(address)
-            except OSError as failure:  # TimeoutError included: the deadline passed
+            except TimeoutError:  # the deadline passed: no time for the next address
+                sock.close()
+                raise
+            except OSError as failure:
                 sock.close()
                 error = failure
-                if isinstance(failure, TimeoutError):
-                    raise
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.sock = sock

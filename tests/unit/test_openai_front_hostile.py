@@ -58,6 +58,17 @@ def post_head(length, **headers):
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
+def photo_payload(image):
+    """A chat request's JSON body asking about `image` (as a PNG data: URI)."""
+    return json.dumps(body("data:image/png;base64," + base64.b64encode(image).decode(), text="What is it?")).encode()
+
+
+def chat_head(framing):
+    """A chat request's head, the body framed by `framing` (Content-Length or Transfer-Encoding)."""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n")
+
+
 def valid_request_is_served(port, pool):
     """A valid request beside the hostile one reaches the pipeline (the stalled pool)."""
     async def send():
@@ -114,8 +125,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_counted_as_413_not_500():
     pool = StalledPool()
     app = front_with(pool, max_image_bytes=1024)
     limit = front_app.max_body_bytes(app[front_app.SETTINGS])
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    head = chat_head(b"Transfer-Encoding: chunked")
     chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
 
     async def main():
@@ -158,10 +168,8 @@ def test_a_body_arriving_in_pieces_reaches_the_pipeline_whole(chunked, piece_byt
     however it arrives. A 400 KB photo, sent whole, in 64 KiB pieces or in odd-sized ones
     with pauses between, with Content-Length or chunked."""
     image = bytes(range(251)) * 1_600
-    payload = json.dumps(body("data:image/png;base64," + base64.b64encode(image).decode(), text="What is it?")).encode()
-    framing = (b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(payload))
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-            b"Content-Type: application/json\r\n" + framing + b"\r\n\r\n")
+    payload = photo_payload(image)
+    head = chat_head(b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % len(payload))
     pool = RecordingPool()
 
     async def main():
@@ -184,11 +192,8 @@ def test_a_body_arriving_in_pieces_reaches_the_pipeline_whole(chunked, piece_byt
 def peak_memory_reading_in_tiny_chunks(image, monkeypatch):
     """(the traced memory's peak while the front reads (app.read_body) a request
     whose body comes in 2-byte HTTP chunks, the body's length)."""
-    payload = json.dumps(body("data:image/png;base64," + base64.b64encode(image).decode(), text="What is it?")).encode()
-    wire = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in
-                    (payload[at:at + 2] for at in range(0, len(payload), 2))) + b"0\r\n\r\n"
-    message = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-               b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" + wire)
+    payload = photo_payload(image)
+    message = chat_head(b"Transfer-Encoding: chunked") + b"".join(dribbled(payload, 2, chunked=True))
     pool, peaks, read_body = RecordingPool(), [], front_app.read_body
 
     async def traced_read_body(request, limit):

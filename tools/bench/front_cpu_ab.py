@@ -17,7 +17,6 @@ them within one run (the per-pair ratios), never across runs.
 
 import argparse
 import asyncio
-import base64
 import datetime
 import json
 import os
@@ -31,18 +30,16 @@ import time
 import aiohttp
 import skimage
 
-from serving.procfs import cpu_seconds
+from serving.procfs import cpu_seconds, front_pid
 from tools import host
 from tools.bench.harness import FakeLLM, Triton, load_average
 from tools.local_stack import free_port, log_tail, stop_process
+from tools.overload_users import chat_body_around_prompt
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 # The front's package and the files its symbolic links point to (backends/openai_describe).
 FRONT_PATHS = ("openai_front", "backends/openai_describe")
-MODEL = "classify_and_describe"
 REFUSED_WAIT_S = 0.5
-# As serving/supervise_tritonserver.sh starts the front.
-MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=8388608:glibc.malloc.trim_threshold=33554432"
 
 
 def log(message):
@@ -50,14 +47,24 @@ def log(message):
 
 
 def coffee_body_maker():
+    """number -> the overload run's chat body (tools/overload_users.py: as the openai SDK
+    encodes it), a distinct question each."""
     image = (pathlib.Path(skimage.data.__file__).parent / "coffee.png").read_bytes()
-    url = json.dumps("data:image/png;base64," + base64.b64encode(image).decode())
+    head, tail = chat_body_around_prompt(image)
 
     def body(number):
-        return (f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": [{{"type": "text", '
-                f'"text": "What is it? ({number})"}}, {{"type": "image_url", "image_url": {{"url": {url}}}}}]}}]}}'
-                ).encode()
+        return head + json.dumps(f"What is it? ({number})").encode() + tail
     return body
+
+
+def malloc_tunables_of(pid):
+    """GLIBC_TUNABLES in process `pid`'s environment: the supervisor's own front's, so that the
+    two fronts run with what serving/supervise_tritonserver.sh gives the front."""
+    for entry in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        name, _, value = entry.partition(b"=")
+        if name == b"GLIBC_TUNABLES":
+            return value.decode()
+    raise RuntimeError(f"the supervisor's front (pid {pid}) runs without GLIBC_TUNABLES")
 
 
 async def load(url, body, concurrency, seconds):
@@ -94,9 +101,9 @@ def front_of(revision, workdir):
     return tree
 
 
-def start_front(tree, triton, workdir, name):
+def start_front(tree, triton, workdir, name, malloc_tunables):
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO}", GLIBC_TUNABLES=MALLOC_TUNABLES)
+    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO}", GLIBC_TUNABLES=malloc_tunables)
     env.pop("TRITON_INFERENCE_KEY", None)  # the bench's Triton leaves inference open
     log_path = workdir / f"front-{name}.log"
     with open(log_path, "w") as log_file:
@@ -123,8 +130,9 @@ def run(args, workdir):
     triton, fronts = None, {}
     try:
         triton = Triton(workdir, llm.base_url)
+        malloc_tunables = malloc_tunables_of(front_pid(triton.process.pid))
         for name, revision in (("A", args.base), ("B", None)):
-            fronts[name] = start_front(front_of(revision, workdir), triton, workdir, name)
+            fronts[name] = start_front(front_of(revision, workdir), triton, workdir, name, malloc_tunables)
         for process, url, log_path in fronts.values():
             asyncio.run(wait_answering(url, body, process, log_path))
             asyncio.run(load(url, body, args.concurrency, args.warmup_s))
