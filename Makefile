@@ -200,6 +200,13 @@ bench-openai: build
 bench-cpu: build perf-analyzer
 	$(PY) -m tools.bench.cpu_profile --rounds 3 --seconds 10 --concurrency 8 --results $(BUILD)/bench/cpu/results.json $(BENCH_CPU_ARGS)
 
+# Why a saturated server leaves cores idle (tools/bench/idle_cores.py): /proc/stat's idle share under
+# perf_analyzer beside the in-process loop's, and a perf sched trace of what waited on another core
+# while one sat idle; about 5 minutes.   make bench-idle BENCH_IDLE_ARGS="--env CPU_SLOTS=2"
+.PHONY: bench-idle
+bench-idle: build perf-analyzer
+	$(PY) -m tools.bench.idle_cores --results $(BUILD)/bench/idle-cores.json $(BENCH_IDLE_ARGS)
+
 # A lone request's time by step (tools/bench/lone_request.py): Triton's trace of every request at
 # concurrency 1, the ensemble's steps one after the other; about 1 minute.
 #   make bench-lone BENCH_LONE_ARGS="--model classify"

@@ -1,0 +1,240 @@
+"""Why a saturated server leaves cores idle: /proc/stat's idle share under load beside the in-process
+loop's, and a scheduler trace that says what was waiting while a core sat idle
+(docs/benchmarks-method.md#where-the-cpu-goes).
+
+Per model, in turns: perf_analyzer at --concurrency on one server (the fake LLM answering at once),
+then the in-process limit's loop (2 processes x 1 thread on 2 cores: tools/bench/inprocess.py, batch 1),
+each with the machine's idle and steal shares from /proc/stat over its run. Then one `perf sched
+record` of --trace-s seconds under the same load, read back by `idle_while_queued`: every span a core
+sat idle while some task was runnable on another core's queue (woken there, or preempted, and not
+yet running), by that task's name. Linux's load balancer does not pull a task that ran within the
+last half millisecond (sched_migration_cost: it counts as cache-hot) to an idle core, so two stubs
+preempting each other on one core can leave the other core idle until the balancer gives up on that
+rule, several ticks later.
+
+    python -m tools.bench.idle_cores [--models classify,classify_and_describe] [--concurrency 8]
+        [--turns 3] [--seconds 9] [--trace-s 3] [--env KEY=VALUE ...] [--results FILE]
+
+The trace needs `perf` and permission to trace scheduler events (root, or perf_event_paranoid -1);
+without them the figures from /proc/stat stand alone.
+"""
+
+import argparse
+import collections
+import datetime
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from tools import host
+from tools.bench import harness, inprocess, inputs
+
+PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+IDLE_PID = 0  # the swapper: a core switched to pid 0 is idle
+
+# `perf script`'s default lines for sched events: "<comm> <pid> [<cpu>] <seconds>: sched:<event>: <fields>".
+# A comm may hold spaces, so each field is matched by what follows it.
+EVENT = re.compile(r"^\s*.+?\s+\d+\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")
+WAKEUP = re.compile(r"comm=(.*) pid=(\d+) prio=-?\d+ target_cpu=(\d+)")
+MIGRATE = re.compile(r"comm=(.*) pid=(\d+) prio=-?\d+ orig_cpu=(\d+) dest_cpu=(\d+)")
+SWITCH = re.compile(r"prev_comm=(.*) prev_pid=(\d+) prev_prio=-?\d+ prev_state=(\S+) ==> "
+                    r"next_comm=(.*) next_pid=(\d+) next_prio=-?\d+")
+
+
+def log(message):
+    print(f"idle_cores: {message}", file=sys.stderr, flush=True)
+
+
+def proc_stat():
+    with open("/proc/stat") as f:
+        return [int(value) for value in f.readline().split()[1:1 + len(PROC_STAT_FIELDS)]]
+
+
+def shares(before, after):
+    """Each /proc/stat field's share of the machine's time between two proc_stat() readings."""
+    spent = [b - a for a, b in zip(before, after)]
+    total = sum(spent) or 1
+    return {name: round(value / total, 4) for name, value in zip(PROC_STAT_FIELDS, spent)}
+
+
+def _merged_length(spans):
+    """Total length of the union of (start, end) spans."""
+    total, reach = 0.0, None
+    for start, end in sorted(spans):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
+
+
+def idle_while_queued(lines):
+    """`perf script` lines of sched_switch, sched_wakeup(_new) and sched_migrate_task events ->
+    {"span_s", "cpus", "idle_s", "idle_while_queued_elsewhere_s", "by_task": {name: s}}: how long cores sat
+    idle, and how much of it while a task waited on another core's queue (in all, and by the waiting
+    task's name; one span can count for several names). A core's time before its first switch is
+    not counted: its state is unknown."""
+    queued = {}  # pid -> (since, cpu, comm): runnable, not running
+    queued_spans = []  # (start, end, cpu, comm)
+    idle_since, idle_spans = {}, []  # cpu -> since; (start, end, cpu)
+    first = last = None
+    cpus = set()
+    for line in lines:
+        event = EVENT.match(line)
+        if not event:
+            continue
+        cpu, now, name, fields = int(event[1]), float(event[2]), event[3], event[4]
+        first, last = first if first is not None else now, now
+        cpus.add(cpu)
+        if name in ("sched_wakeup", "sched_wakeup_new") and (wakeup := WAKEUP.search(fields)):
+            queued.setdefault(int(wakeup[2]), (now, int(wakeup[3]), wakeup[1]))
+        elif name == "sched_migrate_task" and (move := MIGRATE.search(fields)):
+            pid = int(move[2])
+            if pid in queued:  # a waiting task moved: its wait goes on on the other queue
+                since, source, comm = queued[pid]
+                queued_spans.append((since, now, source, comm))
+                queued[pid] = (now, int(move[4]), comm)
+        elif name == "sched_switch" and (switch := SWITCH.search(fields)):
+            previous, following = int(switch[2]), int(switch[5])
+            if previous == IDLE_PID and cpu in idle_since:
+                idle_spans.append((idle_since.pop(cpu), now, cpu))
+            if following == IDLE_PID:
+                idle_since[cpu] = now
+            if previous != IDLE_PID and switch[3].startswith("R"):  # preempted: still runnable here
+                queued[previous] = (now, cpu, switch[1])
+            if following in queued:
+                since, source, comm = queued.pop(following)
+                queued_spans.append((since, now, source, comm))
+    if first is None:
+        return {"span_s": 0.0, "cpus": 0, "idle_s": 0.0, "idle_while_queued_elsewhere_s": 0.0, "by_task": {}}
+    idle_spans += [(since, last, cpu) for cpu, since in idle_since.items()]
+    queued_spans += [(since, last, cpu, comm) for since, cpu, comm in queued.values()]
+    overlap_all, overlap_by = 0.0, collections.Counter()
+    for start, end, cpu in idle_spans:
+        elsewhere = [(max(start, s), min(end, e), comm) for s, e, c, comm in queued_spans
+                     if c != cpu and s < end and e > start]
+        overlap_all += _merged_length([(s, e) for s, e, _ in elsewhere])
+        for comm in {comm for _, _, comm in elsewhere}:
+            overlap_by[comm] += _merged_length([(s, e) for s, e, c in elsewhere if c == comm])
+    return {"span_s": round(last - first, 4), "cpus": len(cpus),
+            "idle_s": round(sum(end - start for start, end, _ in idle_spans), 4),
+            "idle_while_queued_elsewhere_s": round(overlap_all, 4),
+            "by_task": {comm: round(seconds, 4) for comm, seconds in overlap_by.most_common()}}
+
+
+def trace(seconds, workdir):
+    """A scheduler trace of the whole machine for `seconds`, read by idle_while_queued; None when perf
+    is missing or may not trace (the reason logged)."""
+    if not shutil.which("perf"):
+        log("no perf on PATH: no scheduler trace")
+        return None
+    data = pathlib.Path(workdir) / "sched.data"
+    record = subprocess.run(["perf", "sched", "record", "-o", str(data), "--", "sleep", str(seconds)],
+                            capture_output=True, text=True)
+    if record.returncode != 0:
+        log(f"perf sched record failed ({record.stderr.strip()[-300:]}): no scheduler trace")
+        return None
+    script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True, check=True)
+    figures = idle_while_queued(script.stdout.splitlines())
+    core_s = figures["span_s"] * max(figures["cpus"], 1)
+    figures["idle_share"] = round(figures["idle_s"] / core_s, 4) if core_s else None
+    figures["idle_while_queued_elsewhere_share"] = (round(figures["idle_while_queued_elsewhere_s"] / core_s, 4)
+                                                    if core_s else None)
+    return figures
+
+
+def served_turn(server, model, input_data, concurrency, seconds, workdir):
+    before = proc_stat()
+    result = harness.perf_analyzer(model, server.http_url, input_data, concurrency, workdir,
+                                   window_ms=int(seconds * 1000 / 3), trials=3)
+    return {"per_s": result["throughput"], "p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"],
+            **shares(before, proc_stat())}
+
+
+def inprocess_turn(repository, jpeg_paths, seconds):
+    before = proc_stat()
+    row = inprocess.measure_layout(inprocess.served_runtime(repository), repository, jpeg_paths, 2, 1, [1], seconds,
+                                   e2e_only=True)
+    return {"per_s": row["e2e"][1], **shares(before, proc_stat())}
+
+
+def traced(server, model, input_data, concurrency, trace_s, workdir):
+    """perf_analyzer runs in the background while the trace records."""
+    command = [str(harness.PERF_ANALYZER), "-m", model, "-u", server.http_url, "-i", "http",
+               "--input-data", str(input_data), "--concurrency-range", str(concurrency),
+               "--measurement-mode", "time_windows", "--measurement-interval", str(int((trace_s + 6) * 1000)),
+               "-s", "1000", "-r", "1"]
+    load = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(3)  # past perf_analyzer's start and warm-up
+        return trace(trace_s, workdir)
+    finally:
+        load.terminate()
+        load.wait(timeout=30)
+
+
+def measure(args, workdir):
+    jpegs = inputs.photo_jpegs()
+    jpeg_paths = []
+    for name, jpeg in jpegs.items():
+        jpeg_paths.append(workdir / f"{name}.jpg")
+        jpeg_paths[-1].write_bytes(jpeg)
+    input_data = inputs.write_input_data(workdir, jpegs)
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    llm = harness.FakeLLM(workdir)
+    server = harness.Triton(workdir, llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false", **extra_env})
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "host": host.describe(), "settings": {key: value for key, value in vars(args).items()
+                                                    if key != "results"}, "models": {}}
+    try:
+        for model in args.models.split(","):
+            harness.perf_analyzer(model, server.http_url, input_data[model], args.concurrency, workdir,
+                                  window_ms=1000, trials=3)  # warm-up
+            turns = []
+            for number in range(args.turns):
+                turn = {"served": served_turn(server, model, input_data[model], args.concurrency, args.seconds,
+                                              workdir),
+                        "inprocess": inprocess_turn(server.repository, jpeg_paths, args.seconds)}
+                turn["served_over_inprocess"] = round(turn["served"]["per_s"] / turn["inprocess"]["per_s"], 3)
+                turns.append(turn)
+                log(f"{model} turn {number + 1}: served {turn['served']['per_s']:.1f}/s idle "
+                    f"{turn['served']['idle']:.3f} steal {turn['served']['steal']:.3f}; in-process "
+                    f"{turn['inprocess']['per_s']:.1f}/s idle {turn['inprocess']['idle']:.3f}")
+            figures = traced(server, model, input_data[model], args.concurrency, args.trace_s, workdir)
+            if figures:
+                log(f"{model} trace: idle {figures['idle_share']:.3f} of the cores, "
+                    f"{figures['idle_while_queued_elsewhere_share']:.3f} while a task waited on another core")
+            results["models"][model] = {"turns": turns, "trace": figures}
+    finally:
+        server.stop()
+        llm.stop()
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="classify,classify_and_describe")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=9.0, help="each turn's served and in-process runs")
+    parser.add_argument("--trace-s", type=float, default=3.0)
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="the server's environment")
+    parser.add_argument("--results", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="idle-cores-") as workdir:
+        results = measure(args, pathlib.Path(workdir))
+    text = json.dumps(results, indent=1)
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
