@@ -7,10 +7,9 @@ then the in-process limit's loop (2 processes x 1 thread on 2 cores: tools/bench
 each with the machine's idle and steal shares from /proc/stat over its run. Then one `perf sched
 record` of --trace-s seconds under the same load, read back by `idle_while_queued`: every span a core
 sat idle while some task was runnable on another core's queue (woken there, or preempted, and not
-yet running), by that task's name. Linux's load balancer does not pull a task that ran within the
-last half millisecond (sched_migration_cost: it counts as cache-hot) to an idle core, so two stubs
-preempting each other on one core can leave the other core idle until the balancer gives up on that
-rule, several ticks later.
+yet running), by that task (a stub by its model instance, as classify_with_view_0_2). A task left
+waiting beside a busy core while another core idles is a task the kernel's load balancer did not
+move; the trace shows that it waited, not why (docs/benchmarks-method.md#where-the-cpu-goes).
 
     python -m tools.bench.idle_cores [--models classify,classify_and_describe] [--concurrency 8]
         [--turns 3] [--seconds 9] [--trace-s 3] [--env KEY=VALUE ...] [--results FILE]
@@ -21,8 +20,10 @@ without them the figures from /proc/stat stand alone.
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -40,6 +41,8 @@ IDLE_PID = 0  # the swapper: a core switched to pid 0 is idle
 # `perf script`'s default lines for sched events: "<comm> <pid> [<cpu>] <seconds>: sched:<event>: <fields>".
 # A comm may hold spaces, so each field is matched by what follows it.
 EVENT = re.compile(r"^\s*.+?\s+\d+\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")
+# sched_waking where the kernel has it (perf sched record takes it then, not sched_wakeup).
+WAKE_EVENTS = ("sched_waking", "sched_wakeup", "sched_wakeup_new")
 WAKEUP = re.compile(r"comm=(.*) pid=(\d+) prio=-?\d+ target_cpu=(\d+)")
 MIGRATE = re.compile(r"comm=(.*) pid=(\d+) prio=-?\d+ orig_cpu=(\d+) dest_cpu=(\d+)")
 SWITCH = re.compile(r"prev_comm=(.*) prev_pid=(\d+) prev_prio=-?\d+ prev_state=(\S+) ==> "
@@ -73,78 +76,115 @@ def _merged_length(spans):
     return total
 
 
-def idle_while_queued(lines):
-    """`perf script` lines of sched_switch, sched_wakeup(_new) and sched_migrate_task events ->
-    {"span_s", "cpus", "idle_s", "idle_while_queued_elsewhere_s", "by_task": {name: s}}: how long cores sat
-    idle, and how much of it while a task waited on another core's queue (in all, and by the waiting
-    task's name; one span can count for several names). A core's time before its first switch is
-    not counted: its state is unknown."""
-    queued = {}  # pid -> (since, cpu, comm): runnable, not running
-    queued_spans = []  # (start, end, cpu, comm)
+def idle_while_queued(lines, cpus=None, names=None):
+    """`perf script` lines of sched_switch, sched_waking (or sched_wakeup), sched_wakeup_new and
+    sched_migrate_task events -> {"span_s", "cpus", "idle_s", "idle_while_queued_elsewhere_s",
+    "by_task": {name: s}}: how long the cores sat idle, and how much of it while a task waited on
+    another core's queue (in all, and by the waiting task; one span can count for several tasks).
+    cpus: the machine's cores (default: those in the events); names: {tid: name} (default: the comm
+    in the events). A core's time before its first switch is not counted: its state is unknown."""
+    queued = {}  # tid -> (since, cpu, name): runnable, not running
+    queued_spans = []  # (start, end, cpu, name)
+    running = {}  # cpu -> tid
     idle_since, idle_spans = {}, []  # cpu -> since; (start, end, cpu)
     first = last = None
-    cpus = set()
+    seen = set()
+    name_of = (lambda tid, comm: names.get(tid, comm)) if names else (lambda tid, comm: comm)
     for line in lines:
         event = EVENT.match(line)
         if not event:
             continue
-        cpu, now, name, fields = int(event[1]), float(event[2]), event[3], event[4]
+        cpu, now, kind, fields = int(event[1]), float(event[2]), event[3], event[4]
         first, last = first if first is not None else now, now
-        cpus.add(cpu)
-        if name in ("sched_wakeup", "sched_wakeup_new") and (wakeup := WAKEUP.search(fields)):
-            queued.setdefault(int(wakeup[2]), (now, int(wakeup[3]), wakeup[1]))
-        elif name == "sched_migrate_task" and (move := MIGRATE.search(fields)):
-            pid = int(move[2])
-            if pid in queued:  # a waiting task moved: its wait goes on on the other queue
-                since, source, comm = queued[pid]
-                queued_spans.append((since, now, source, comm))
-                queued[pid] = (now, int(move[4]), comm)
-        elif name == "sched_switch" and (switch := SWITCH.search(fields)):
+        seen.add(cpu)
+        if kind in WAKE_EVENTS and (wakeup := WAKEUP.search(fields)):
+            tid = int(wakeup[2])
+            # A wake-up of a task that is running or already waiting changes nothing. sched_waking
+            # names the task's last core; a sched_migrate_task follows when the kernel picks another.
+            if tid not in running.values():
+                queued.setdefault(tid, (now, int(wakeup[3]), name_of(tid, wakeup[1])))
+        elif kind == "sched_migrate_task" and (move := MIGRATE.search(fields)):
+            tid = int(move[2])
+            if tid in queued:  # a waiting task moved: its wait goes on on the other queue
+                since, source, name = queued[tid]
+                queued_spans.append((since, now, source, name))
+                queued[tid] = (now, int(move[4]), name)
+        elif kind == "sched_switch" and (switch := SWITCH.search(fields)):
             previous, following = int(switch[2]), int(switch[5])
+            running[cpu] = following
             if previous == IDLE_PID and cpu in idle_since:
                 idle_spans.append((idle_since.pop(cpu), now, cpu))
             if following == IDLE_PID:
                 idle_since[cpu] = now
-            if previous != IDLE_PID and switch[3].startswith("R"):  # preempted: still runnable here
-                queued[previous] = (now, cpu, switch[1])
+            if previous != IDLE_PID:
+                if switch[3].startswith("R"):  # preempted (R, R+): still runnable, on this core
+                    queued[previous] = (now, cpu, name_of(previous, switch[1]))
+                else:  # asleep (S, D, I...): a wake-up it had pending is spent
+                    queued.pop(previous, None)
             if following in queued:
-                since, source, comm = queued.pop(following)
-                queued_spans.append((since, now, source, comm))
+                since, source, name = queued.pop(following)
+                queued_spans.append((since, now, source, name))
     if first is None:
-        return {"span_s": 0.0, "cpus": 0, "idle_s": 0.0, "idle_while_queued_elsewhere_s": 0.0, "by_task": {}}
+        return {"span_s": 0.0, "cpus": cpus or 0, "idle_s": 0.0, "idle_while_queued_elsewhere_s": 0.0,
+                "longest_idle_while_queued_elsewhere_s": 0.0, "by_task": {}}
     idle_spans += [(since, last, cpu) for cpu, since in idle_since.items()]
-    queued_spans += [(since, last, cpu, comm) for since, cpu, comm in queued.values()]
-    overlap_all, overlap_by = 0.0, collections.Counter()
+    queued_spans += [(since, last, cpu, name) for since, cpu, name in queued.values()]
+    overlap_all, longest, overlap_by = 0.0, 0.0, collections.Counter()
     for start, end, cpu in idle_spans:
-        elsewhere = [(max(start, s), min(end, e), comm) for s, e, c, comm in queued_spans
+        elsewhere = [(max(start, s), min(end, e), name) for s, e, c, name in queued_spans
                      if c != cpu and s < end and e > start]
-        overlap_all += _merged_length([(s, e) for s, e, _ in elsewhere])
-        for comm in {comm for _, _, comm in elsewhere}:
-            overlap_by[comm] += _merged_length([(s, e) for s, e, c in elsewhere if c == comm])
-    return {"span_s": round(last - first, 4), "cpus": len(cpus),
-            "idle_s": round(sum(end - start for start, end, _ in idle_spans), 4),
-            "idle_while_queued_elsewhere_s": round(overlap_all, 4),
-            "by_task": {comm: round(seconds, 4) for comm, seconds in overlap_by.most_common()}}
+        overlap = _merged_length([(s, e) for s, e, _ in elsewhere])
+        overlap_all, longest = overlap_all + overlap, max(longest, overlap)
+        for name in {name for _, _, name in elsewhere}:
+            overlap_by[name] += _merged_length([(s, e) for s, e, n in elsewhere if n == name])
+    return {"span_s": round(last - first, 6), "cpus": cpus or len(seen),
+            "idle_s": round(sum(end - start for start, end, _ in idle_spans), 6),
+            "idle_while_queued_elsewhere_s": round(overlap_all, 6),
+            "longest_idle_while_queued_elsewhere_s": round(longest, 6),
+            "by_task": {name: round(seconds, 6) for name, seconds in overlap_by.most_common()}}
+
+
+def task_names():
+    """{tid: name} of every thread on the machine now: a Python backend stub's threads by their model
+    instance (the ninth word of its command line in Triton 2.51), others by
+    their process's name. perf's comm is cut to 15 characters ("triton_python_b") and is per thread."""
+    names = {}
+    for process in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (process / "cmdline").read_bytes().split(b"\0")
+            name = (process / "comm").read_text().strip()
+            if argv and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 8:
+                name = argv[8].decode(errors="replace")
+            for task in (process / "task").iterdir():
+                names[int(task.name)] = name
+        except (OSError, ValueError):  # gone meanwhile
+            continue
+    return names
 
 
 def trace(seconds, workdir):
     """A scheduler trace of the whole machine for `seconds`, read by idle_while_queued; None when perf
-    is missing or may not trace (the reason logged)."""
+    is missing, may not trace or cannot read its file back (the reason logged)."""
     if not shutil.which("perf"):
         log("no perf on PATH: no scheduler trace")
         return None
     data = pathlib.Path(workdir) / "sched.data"
     record = subprocess.run(["perf", "sched", "record", "-o", str(data), "--", "sleep", str(seconds)],
                             capture_output=True, text=True)
-    if record.returncode != 0:
-        log(f"perf sched record failed ({record.stderr.strip()[-300:]}): no scheduler trace")
+    names = task_names()  # while the traced processes are still there
+    script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True) \
+        if record.returncode == 0 else record
+    if script.returncode != 0:
+        log(f"perf sched failed ({script.stderr.strip()[-300:]}): no scheduler trace")
         return None
-    script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True, check=True)
-    figures = idle_while_queued(script.stdout.splitlines())
-    core_s = figures["span_s"] * max(figures["cpus"], 1)
+    lines = script.stdout.splitlines()
+    figures = idle_while_queued(lines, cpus=os.cpu_count(), names=names)
+    core_s = figures["span_s"] * figures["cpus"]
     figures["idle_share"] = round(figures["idle_s"] / core_s, 4) if core_s else None
     figures["idle_while_queued_elsewhere_share"] = (round(figures["idle_while_queued_elsewhere_s"] / core_s, 4)
                                                     if core_s else None)
+    figures["events"] = dict(collections.Counter(match[3] for match in map(EVENT.match, lines) if match))
+    figures["perf"] = subprocess.run(["perf", "--version"], capture_output=True, text=True).stdout.strip()
     return figures
 
 
@@ -164,7 +204,8 @@ def inprocess_turn(repository, jpeg_paths, seconds):
 
 
 def traced(server, model, input_data, concurrency, trace_s, workdir):
-    """perf_analyzer runs in the background while the trace records."""
+    """perf_analyzer runs in the background while the trace records; a trace without its load is
+    no figure (None)."""
     command = [str(harness.PERF_ANALYZER), "-m", model, "-u", server.http_url, "-i", "http",
                "--input-data", str(input_data), "--concurrency-range", str(concurrency),
                "--measurement-mode", "time_windows", "--measurement-interval", str(int((trace_s + 6) * 1000)),
@@ -172,10 +213,18 @@ def traced(server, model, input_data, concurrency, trace_s, workdir):
     load = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(3)  # past perf_analyzer's start and warm-up
-        return trace(trace_s, workdir)
+        figures = trace(trace_s, workdir)
+        if load.poll() is not None:
+            log(f"perf_analyzer exited ({load.returncode}) before the trace ended: no scheduler trace")
+            return None
+        return figures
     finally:
         load.terminate()
-        load.wait(timeout=30)
+        try:
+            load.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            load.kill()
+            load.wait()
 
 
 def measure(args, workdir):
@@ -185,13 +234,14 @@ def measure(args, workdir):
         jpeg_paths.append(workdir / f"{name}.jpg")
         jpeg_paths[-1].write_bytes(jpeg)
     input_data = inputs.write_input_data(workdir, jpegs)
-    extra_env = dict(item.split("=", 1) for item in args.env)
-    llm = harness.FakeLLM(workdir)
-    server = harness.Triton(workdir, llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false", **extra_env})
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "host": host.describe(), "settings": {key: value for key, value in vars(args).items()
                                                     if key != "results"}, "models": {}}
-    try:
+    with contextlib.ExitStack() as stack:
+        llm = harness.FakeLLM(workdir)
+        stack.callback(llm.stop)
+        server = harness.Triton(workdir, llm.base_url, extra_env={"LLM_CACHE_ENABLED": "false", **args.env})
+        stack.callback(server.stop)
         for model in args.models.split(","):
             harness.perf_analyzer(model, server.http_url, input_data[model], args.concurrency, workdir,
                                   window_ms=1000, trials=3)  # warm-up
@@ -210,10 +260,14 @@ def measure(args, workdir):
                 log(f"{model} trace: idle {figures['idle_share']:.3f} of the cores, "
                     f"{figures['idle_while_queued_elsewhere_share']:.3f} while a task waited on another core")
             results["models"][model] = {"turns": turns, "trace": figures}
-    finally:
-        server.stop()
-        llm.stop()
     return results
+
+
+def environment_item(text):
+    key, equals, value = text.partition("=")
+    if not key or not equals:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
 
 
 def main(argv=None):
@@ -223,9 +277,11 @@ def main(argv=None):
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=9.0, help="each turn's served and in-process runs")
     parser.add_argument("--trace-s", type=float, default=3.0)
-    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="the server's environment")
+    parser.add_argument("--env", action="append", default=[], type=environment_item, metavar="KEY=VALUE",
+                        help="the server's environment")
     parser.add_argument("--results", type=pathlib.Path)
     args = parser.parse_args(argv)
+    args.env = dict(args.env)
     with tempfile.TemporaryDirectory(prefix="idle-cores-") as workdir:
         results = measure(args, pathlib.Path(workdir))
     text = json.dumps(results, indent=1)
