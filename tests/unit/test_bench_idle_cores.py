@@ -58,15 +58,15 @@ def test_a_wake_up_of_a_running_task_or_one_that_then_sleeps_is_no_wait():
         switch(1, 4.000, "stub b", 12, "S", "stub c", 13),          # c runs on core 1
         switch(0, 4.001, "stub a", 11, "S", "swapper/0", 0),        # core 0 idle from 4.001
         waking(1, 4.002, "stub c", 13, 1),                          # c is running: no wait
-        waking(1, 4.003, "tritonserver", 20, 1),                    # running since before the trace
-        switch(1, 4.004, "tritonserver", 20, "S", "stub c", 13),    # ... it goes to sleep: that wake is spent
-        switch(1, 4.005, "stub c", 13, "R+", "stub d", 14),         # c preempted (R+): waits on core 1
-        switch(0, 4.007, "swapper/0", 0, "R", "stub a", 11),
+        waking(1, 4.003, "tritonserver", 20, 1),                    # running on core 2 since before the trace
+        switch(2, 4.004, "tritonserver", 20, "S", "stub e", 15),    # ... it goes to sleep: that wake is spent
+        switch(2, 4.005, "stub e", 15, "R+", "stub d", 14),         # e preempted (R+): waits on core 2
+        switch(0, 4.007, "swapper/0", 0, "R", "stub a", 11),        # c still running on core 1
     ]
     figures = idle_while_queued(lines)
     assert figures["idle_s"] == pytest.approx(0.006)
-    assert figures["idle_while_queued_elsewhere_s"] == pytest.approx(0.002)  # c, 4.005-4.007
-    assert figures["by_task"] == {"stub c": pytest.approx(0.002)}
+    assert figures["idle_while_queued_elsewhere_s"] == pytest.approx(0.002)  # e, 4.005-4.007
+    assert figures["by_task"] == {"stub e": pytest.approx(0.002)}
 
 
 def test_a_task_waiting_on_the_idle_cores_own_queue_is_not_counted():
