@@ -520,7 +520,7 @@ class Client(_Throttling):
         HELD_BACK_PER_RESEND x `retries` of them), so under a long overload a
         call may wait up to retries x (1 + HELD_BACK_PER_RESEND) back-offs.
 
-        `timeout_s`: for the whole of one attempt (connect, send, the whole
+        `timeout_s`: for the whole of one attempt (the name lookup, connect, send, the whole
         answer; for `stream`, the whole stream), not for each read; None: no
         limit. Threads may share a Client; over HTTP their requests take turns
         on its one connection.

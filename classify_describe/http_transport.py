@@ -10,6 +10,7 @@ AsyncClient (generate_request_body, parse_response_body).
 """
 
 import http.client
+import ipaddress
 import socket
 import threading
 import time
@@ -67,9 +68,9 @@ class _Connection(http.client.HTTPConnection):
 
     def connect(self):
         # socket.create_connection gives each of the host's addresses the whole timeout; here
-        # they share the deadline. (The name lookup itself is the resolver's to bound.)
+        # they share the deadline, the name lookup's time included.
         error = None
-        for family, kind, proto, _, address in socket.getaddrinfo(self.host, self.port, 0, socket.SOCK_STREAM):
+        for family, kind, proto, _, address in addresses(self.host, self.port, self.deadline):
             sock = _DeadlineSocket(family, kind, proto)
             sock.deadline = self.deadline
             try:
@@ -85,6 +86,38 @@ class _Connection(http.client.HTTPConnection):
             self.sock = sock
             return
         raise error or OSError(f"no address for {self.host}")
+
+
+def addresses(host, port, deadline):
+    """socket.getaddrinfo's TCP addresses of host:port by `deadline` (time.monotonic(); None: no
+    limit). The resolver's own timeouts (seconds per name server and try) are not the caller's, so a
+    name is looked up on a thread of its own and waited for only until the deadline; a lookup left
+    behind ends there within the resolver's timeouts. A literal address needs no lookup and no thread."""
+    def lookup():
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+
+    try:
+        ipaddress.ip_address(host)
+        return lookup()
+    except ValueError:
+        if deadline is None:
+            return lookup()
+    outcome, done = {}, threading.Event()
+
+    def run():
+        try:
+            outcome["addresses"] = lookup()
+        except BaseException as error:  # handed to the caller's thread below
+            outcome["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"lookup {host}", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(f"timed out looking up {host}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["addresses"]
 
 
 def split_url(url):

@@ -312,6 +312,27 @@ def test_sync_http_timeout_bounds_the_whole_answer_not_each_read(gaps):
         server.close()
 
 
+def test_sync_http_timeout_bounds_the_name_lookup_too(stand_in, monkeypatch):
+    # A resolver that hangs (an unreachable name server: 5 s per try by default) must not hold the
+    # caller past timeout_s; a name that resolves is still used.
+    resolve = socket.getaddrinfo
+
+    def hanging(host, *args, **kwargs):
+        if host == "hangs.invalid":
+            time.sleep(3)
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    with Client("hangs.invalid:8000", timeout_s=0.3) as client:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.infer(b"ok:lookup")
+        assert time.monotonic() - started < 1.5
+    port = stand_in.url.rsplit(":", 1)[1]
+    with Client(f"localhost:{port}", timeout_s=5) as client:
+        assert client.infer(b"ok:named").description == "described named"
+
+
 def test_sync_http_takes_tritonclients_url_forms(stand_in):
     # host:port/ as host:port; a scheme or a port that is no number refused when made
     with Client(stand_in.url + "/", timeout_s=5) as client:
