@@ -96,12 +96,8 @@ def addresses(host, port, deadline):
     def lookup():
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
 
-    try:
-        ipaddress.ip_address(host)
+    if deadline is None or _is_literal(host):
         return lookup()
-    except ValueError:
-        if deadline is None:
-            return lookup()
     outcome, done = {}, threading.Event()
 
     def run():
@@ -118,6 +114,14 @@ def addresses(host, port, deadline):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["addresses"]
+
+
+def _is_literal(host):
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def split_url(url):

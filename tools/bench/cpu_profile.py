@@ -263,10 +263,7 @@ def main(argv=None):
         workdir = pathlib.Path(tmp)
         jpegs = inputs.photo_jpegs()
         input_data = inputs.write_input_data(workdir, jpegs)
-        jpeg_paths = []
-        for name, data in jpegs.items():
-            jpeg_paths.append(workdir / f"{name}.jpg")
-            jpeg_paths[-1].write_bytes(data)
+        jpeg_paths = inputs.write_jpegs(workdir, jpegs)
         if args.compare:
             text = compare(args, workdir, input_data, results)
             return finish(args, results, text)

@@ -30,14 +30,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 from serving.procfs import stub_instance
 from tools import host
 from tools.bench import harness, inprocess, inputs
+from tools.process_cpu import machine_seconds
 
-PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
 IDLE_PID = 0  # the swapper: a core switched to pid 0 is idle
+LOAD_START_MS = 2000  # perf_analyzer's start and first requests, left out of the trace
 
 # `perf script`'s default lines for sched events: "<comm> <pid> [<cpu>] <seconds>: sched:<event>: <fields>".
 # A comm may hold spaces, so each field is matched by what follows it.
@@ -54,16 +54,11 @@ def log(message):
     print(f"idle_cores: {message}", file=sys.stderr, flush=True)
 
 
-def proc_stat():
-    with open("/proc/stat") as f:
-        return [int(value) for value in f.readline().split()[1:1 + len(PROC_STAT_FIELDS)]]
-
-
 def shares(before, after):
-    """Each /proc/stat field's share of the machine's time between two proc_stat() readings."""
-    spent = [b - a for a, b in zip(before, after)]
-    total = sum(spent) or 1
-    return {name: round(value / total, 4) for name, value in zip(PROC_STAT_FIELDS, spent)}
+    """{"idle", "steal"}: their shares of the machine's CPU time between two
+    tools.process_cpu.machine_seconds() snapshots (idle with iowait)."""
+    total = (after["all"] - before["all"]) or 1
+    return {key: round((after[key] - before[key]) / total, 4) for key in ("idle", "steal")}
 
 
 def _merged_length(spans):
@@ -80,8 +75,9 @@ def _merged_length(spans):
 def idle_while_queued(lines, cpus=None, names=None):
     """`perf script` lines of sched_switch, sched_waking (or sched_wakeup), sched_wakeup_new and
     sched_migrate_task events -> {"span_s", "cpus", "idle_s", "idle_while_queued_elsewhere_s",
-    "by_task": {name: s}}: how long the cores sat idle, and how much of it while a task waited on
-    another core's queue (in all, and by the waiting task; one span can count for several tasks).
+    "longest_idle_while_queued_elsewhere_s", "by_task": {name: s}}: how long the cores sat idle, and how
+    much of it while a task waited on another core's queue (in all, the most within one idle span, and
+    by the waiting task; one span can count for several tasks).
     cpus: the machine's cores (default: those in the events); names: {tid: name} (default: the comm
     in the events). A core's time before its first switch is not counted: its state is unknown. A
     wake-up that races with its task's own switch-out (the task switches out asleep after it, then runs
@@ -162,18 +158,24 @@ def task_names():
     return names
 
 
-def trace(seconds, workdir):
-    """A scheduler trace of the whole machine for `seconds`, read by idle_while_queued; None when perf
-    is missing, may not trace or cannot read its file back (the reason logged)."""
+def traced(server, model, input_data, concurrency, trace_s, workdir):
+    """A scheduler trace of the whole machine for `trace_s` under perf_analyzer's load, read by
+    idle_while_queued; None when perf is missing, may not trace or recorded nothing (the reason
+    logged)."""
     if not shutil.which("perf"):
         log("no perf on PATH: no scheduler trace")
         return None
-    data = pathlib.Path(workdir) / "sched.data"
-    record = subprocess.run(["perf", "sched", "record", "-o", str(data), "--", "sleep", str(seconds)],
-                            capture_output=True, text=True)
-    names = task_names()  # while the traced processes are still there
+    names = task_names()  # the server's threads are all there once it has answered
+    data = pathlib.Path(workdir) / f"sched_{model}.data"
+    # -D: start recording once perf_analyzer, started right after, is past its start.
+    record = subprocess.Popen(["perf", "sched", "record", "-D", str(LOAD_START_MS), "-o", str(data), "--", "sleep",
+                               str(trace_s + LOAD_START_MS / 1000)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+    harness.perf_analyzer(model, server.http_url, input_data, concurrency, workdir,
+                          window_ms=int((trace_s * 1000 + LOAD_START_MS) / 2), trials=3)
+    _, errors = record.communicate()
     script = subprocess.run(["perf", "script", "-i", str(data)], capture_output=True, text=True) \
-        if record.returncode == 0 else record
+        if record.returncode == 0 else subprocess.CompletedProcess(record.args, record.returncode, "", errors)
     if script.returncode != 0:
         log(f"perf sched failed ({script.stderr.strip()[-300:]}): no scheduler trace")
         return None
@@ -191,50 +193,23 @@ def trace(seconds, workdir):
 
 
 def served_turn(server, model, input_data, concurrency, seconds, workdir):
-    before = proc_stat()
+    before = machine_seconds()
     result = harness.perf_analyzer(model, server.http_url, input_data, concurrency, workdir,
                                    window_ms=int(seconds * 1000 / 3), trials=3)
     return {"per_s": result["throughput"], "p50_ms": result["p50_ms"], "p99_ms": result["p99_ms"],
-            **shares(before, proc_stat())}
+            **shares(before, machine_seconds())}
 
 
 def inprocess_turn(repository, jpeg_paths, seconds):
-    before = proc_stat()
+    before = machine_seconds()
     row = inprocess.measure_layout(inprocess.served_runtime(repository), repository, jpeg_paths, 2, 1, [1], seconds,
                                    e2e_only=True)
-    return {"per_s": row["e2e"][1], **shares(before, proc_stat())}
-
-
-def traced(server, model, input_data, concurrency, trace_s, workdir):
-    """perf_analyzer runs in the background while the trace records; a trace without its load is
-    no figure (None)."""
-    command = [str(harness.PERF_ANALYZER), "-m", model, "-u", server.http_url, "-i", "http",
-               "--input-data", str(input_data), "--concurrency-range", str(concurrency),
-               "--measurement-mode", "time_windows", "--measurement-interval", str(int((trace_s + 6) * 1000)),
-               "-s", "1000", "-r", "1"]
-    load = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(3)  # past perf_analyzer's start and warm-up
-        figures = trace(trace_s, workdir)
-        if load.poll() is not None:
-            log(f"perf_analyzer exited ({load.returncode}) before the trace ended: no scheduler trace")
-            return None
-        return figures
-    finally:
-        load.terminate()
-        try:
-            load.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            load.kill()
-            load.wait()
+    return {"per_s": row["e2e"][1], **shares(before, machine_seconds())}
 
 
 def measure(args, workdir):
     jpegs = inputs.photo_jpegs()
-    jpeg_paths = []
-    for name, jpeg in jpegs.items():
-        jpeg_paths.append(workdir / f"{name}.jpg")
-        jpeg_paths[-1].write_bytes(jpeg)
+    jpeg_paths = inputs.write_jpegs(workdir, jpegs)
     input_data = inputs.write_input_data(workdir, jpegs)
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "host": host.describe(), "settings": {key: value for key, value in vars(args).items()

@@ -44,6 +44,15 @@ def _bytes_tensor(value):
             "shape": [1]}
 
 
+def write_jpegs(workdir, jpegs):
+    """The photos as files in workdir (<name>.jpg), for the in-process loop; returns their paths."""
+    paths = []
+    for name, data in jpegs.items():
+        paths.append(pathlib.Path(workdir) / f"{name}.jpg")
+        paths[-1].write_bytes(data)
+    return paths
+
+
 def write_input_data(workdir, jpegs, ensemble_entries=256):
     """perf_analyzer input files: classify.json (IMAGE only, the photos in turn) and
     classify_and_describe.json (IMAGE + a distinct PROMPT per entry); returns their paths."""

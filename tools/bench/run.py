@@ -502,11 +502,7 @@ def prepare_inputs(ctx, workdir):
     """The photos (as bytes and as files), the prompts, perf_analyzer's input data and the in-process layouts."""
     jpegs = inputs.photo_jpegs()
     ctx.images = [jpegs[name] for name in inputs.PHOTOS]
-    ctx.jpeg_paths = []
-    for name, data in jpegs.items():
-        path = workdir / f"{name}.jpg"
-        path.write_bytes(data)
-        ctx.jpeg_paths.append(path)
+    ctx.jpeg_paths = inputs.write_jpegs(workdir, jpegs)
     ctx.prompts = inputs.prompts(100_000)
     ctx.input_data = inputs.write_input_data(workdir, jpegs)
     ctx.layouts = inprocess.default_layouts()
