@@ -54,12 +54,29 @@ def cost_usd(prompt_tokens, completion_tokens, price_input_per_million, price_ou
     return (prompt_tokens * price_input_per_million + completion_tokens * price_output_per_million) / 1e6
 
 
+# More tokens than any model's context holds: a count past it is not a count.
+MAX_REPORTED_TOKENS = 100_000_000
+
+
 def tokens_from(usage):
     """(prompt, completion) tokens from an SDK usage object; an upstream that
-    omits usage (some local servers) costs nothing rather than failing."""
+    omits usage (some local servers) costs nothing rather than failing, and so
+    does a count that is not one (negative, fractional, text, absurd): billed
+    as sent, it would write a negative or unbounded cost into USAGE and the
+    metrics' counters, or fail the answer it came with."""
     if usage is None:
         return 0, 0
-    return int(getattr(usage, "prompt_tokens", 0) or 0), int(getattr(usage, "completion_tokens", 0) or 0)
+    return _token_count(getattr(usage, "prompt_tokens", 0)), _token_count(getattr(usage, "completion_tokens", 0))
+
+
+def _token_count(value):
+    if isinstance(value, str) and value.strip().isascii() and value.strip().isdigit():
+        value = int(value)  # as some servers write it: "12"
+    elif isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_REPORTED_TOKENS:
+        return 0
+    return value
 
 
 def estimated_tokens(chars):

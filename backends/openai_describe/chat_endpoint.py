@@ -25,6 +25,8 @@ from resilience import AnswerTooLarge
 
 # httpx's keep-alive expiry, which the SDK's aiohttp pool uses too.
 KEEPALIVE_S = 5.0
+# Headers that describe the body as it came over the wire, not as aiohttp hands it over.
+DECODED = ("content-encoding", "content-length", "transfer-encoding")
 
 
 class ChatEndpoint:
@@ -79,8 +81,10 @@ class ChatEndpoint:
 
     def _status_error(self, response, raw):
         """The SDK's exception for this answer (RateLimitError for a 429, ...), message and body as it makes them."""
-        answer = httpx2.Response(response.status, headers=list(response.headers.items()), content=raw,
-                                 request=self._request())
+        # aiohttp has decoded the body already: its encoding and length headers would have httpx
+        # decode it again (a gzipped 429 read as a broken body, its Retry-After lost).
+        headers = [(name, value) for name, value in response.headers.items() if name.lower() not in DECODED]
+        answer = httpx2.Response(response.status, headers=headers, content=raw, request=self._request())
         return self.sdk._make_status_error_from_response(answer)
 
 

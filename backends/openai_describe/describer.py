@@ -40,6 +40,9 @@ from streaming import StreamedAnswer
 # The most characters of answer kept per max_tokens: generous (English runs about
 # 4 a token), so only an upstream that ignores max_tokens is cut (settings.max_answer_chars).
 CHARS_PER_TOKEN = 16
+# Of an upstream error's text in a log line: its status and message are at the start; a body
+# quoted whole (up to the response's byte limit) would be hundreds of KB a line.
+SHOWN_ERROR_CHARS = 2000
 
 NO_KEY_HELP = (
     "no API key found in {where}: every description is the classification-only fallback "
@@ -344,15 +347,20 @@ class Describer:
             timeout = max(0.001, min(timeout_s, deadline - self._clock()))
             started = self._clock()
             try:
-                value = await attempt(timeout)
-            except Cancelled:
+                try:
+                    value = await attempt(timeout)
+                except Cancelled:
+                    raise
+                except Exception as exc:  # every failure becomes a decision below, never a crash
+                    failure = self.classify_failure(exc, job.request_id)
+                else:
+                    failure = None
+            except BaseException:
+                # Cancelled, or a failure that could not be read: neither may keep the slot
+                # (max_in_flight would shrink for good) or the half-open circuit's probe.
                 self._release_slot()
                 breaker.release(ticket)
                 raise
-            except Exception as exc:  # every failure becomes a decision below, never a crash
-                failure = self.classify_failure(exc, job.request_id)
-            else:
-                failure = None
             if failure is not None or not keep_slot:
                 self._release_slot()
             elapsed = self._clock() - started
@@ -455,6 +463,8 @@ class Describer:
         naming the request whose attempt it was)."""
         if _caused_by(exc, AnswerTooLarge):  # raised under the SDK, which wraps it
             failure = ANSWER_TOO_LONG
+        elif _caused_by(exc, MalformedResponse):  # the same: from _bound_body, under the SDK
+            failure = Failure("malformed_response", retryable=True)
         elif isinstance(exc, openai.APIStatusError) and refuses_image(exc.status_code, exc.body, exc.message):
             failure = Failure(IMAGE_REFUSED, retryable=False, upstream_fault=False)
         elif isinstance(exc, openai.APIStatusError):
@@ -469,8 +479,8 @@ class Describer:
         else:
             # A 200 whose body is not a chat completion: a proxy or server glitch.
             failure = Failure("malformed_response", retryable=True)
-        self._warn_rate_limited(failure.reason, f"upstream attempt failed ({failure.reason}): "
-                                f"{type(exc).__name__}: {self.scrub(exc)}", request_id)
+        self._warn_rate_limited(failure.reason, lambda: f"upstream attempt failed ({failure.reason}): "
+                                f"{type(exc).__name__}: {self.scrub(exc)[:SHOWN_ERROR_CHARS]}", request_id)
         return failure
 
     def _bill(self, job, usage, reported):
@@ -529,7 +539,7 @@ class Describer:
         now = self._clock()
         if self.log and now - self._last_warned.get(reason, -every_s) >= every_s:
             self._last_warned[reason] = now
-            self.log.warn(message, request_id)
+            self.log.warn(message() if callable(message) else message, request_id)
 
 
 def answer_chars_limit(settings, overrides):
@@ -565,6 +575,12 @@ class _BoundedBody(httpx2.AsyncByteStream):
 
 def _bound_body(limit):
     async def hook(response):  # before the body is read (httpx response event hook)
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            # Asked for identity (make_client): a compressed body would be inflated past the
+            # limit, which counts the bytes as they come (688 KB of gzip inflate to 670 MB).
+            await response.aclose()
+            raise MalformedResponse(f"the upstream sent Content-Encoding {encoding[:40]!r}, not asked for")
         response.stream = _BoundedBody(response.stream, limit)
     return hook
 
@@ -605,6 +621,8 @@ def make_client(settings, api_key):
         timeout=httpx2.Timeout(settings.timeout_s, connect=connect_s),
         event_hooks={"response": [_bound_body(max_response_bytes)]},
     )
+    # identity: what the byte limit counts is what is parsed (_bound_body refuses anything else).
     sdk = openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
-                             timeout=settings.timeout_s, http_client=http_client)
+                             timeout=settings.timeout_s, http_client=http_client,
+                             default_headers={"Accept-Encoding": "identity"})
     return ChatEndpoint(sdk, settings.max_in_flight, connect_s, max_response_bytes)

@@ -25,7 +25,7 @@ import llm_span
 import triton_io as io
 from describer import NO_KEY_HELP, Cancelled, Describer, make_client
 from metrics import Metrics
-from scrubbing import Scrubber
+from scrubbing import Scrubber, shown_url
 from settings import ConfigError, RequestModels, parse_settings
 from stream_adapter import PhotoStreamAdapter, StreamAdapter
 
@@ -90,7 +90,7 @@ class TritonPythonModel:
         else:
             self.handler = (PhotoStreamAdapter if s.classify_model else StreamAdapter)(self.model_name, *parts)
         self.log.info(
-            f"upstream {s.base_url} model {s.model}; key from {key_source}: "
+            f"upstream {self.scrub(shown_url(s.base_url))} model {s.model}; key from {key_source}: "
             f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
             f"max_in_flight {s.max_in_flight}, timeout {s.timeout_s}s x {s.max_attempts} attempts, "
             f"cache {'on' if s.cache_enabled else 'off'}, on_failure {s.on_failure}"

@@ -11,8 +11,13 @@ NO_RETRY_STATUS = {400, 401, 403, 404, 422}
 # The reason of an attempt whose model refused the image part (vision=auto then asks text-only).
 IMAGE_REFUSED = "image_refused_by_upstream"
 # What upstreams say when a model takes no images: OpenAI "... does not support image input" /
-# "image_url is only supported by certain models", vLLM "... is not a multimodal model", and the like.
+# "image_url is only supported by certain models", vLLM "... is not a multimodal model" / "At most 0
+# image(s) may be provided", DeepSeek "unknown variant `image_url`", and the like. Both a word for
+# images and a phrase of refusal: "You uploaded an unsupported image" or "Image exceeds max size" is
+# about this photo, and read as a refusal it would turn vision off for every request for a while.
 _IMAGE_WORDS = ("image", "multimodal", "vision")
+_REFUSAL_PHRASES = ("not support", "only supported", "not a multimodal", "unknown variant", "at most 0",
+                    "not enabled", "not available for this model")
 
 
 def refuses_image(status, body, message):
@@ -20,7 +25,7 @@ def refuses_image(status, body, message):
     if status not in (400, 422):
         return False
     text = f"{message} {body}".lower()
-    return any(word in text for word in _IMAGE_WORDS)
+    return any(word in text for word in _IMAGE_WORDS) and any(phrase in text for phrase in _REFUSAL_PHRASES)
 
 
 class Cancelled(Exception):
@@ -92,12 +97,12 @@ def parse_retry_after(headers, now=None):
         return max(0.0, float(value))
     except ValueError:
         pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    try:  # a year past datetime's (9999) or the platform's time_t is an OverflowError
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, OverflowError):
         return None
     now = time.time() if now is None else now
-    return max(0.0, when.timestamp() - now)
+    return max(0.0, when - now)
 
 
 def backoff_delay(attempt, base_s, max_s, retry_after_s=None, rand=random.random):

@@ -20,6 +20,8 @@ import re
 import string
 from dataclasses import dataclass, field
 
+from scrubbing import shown_url
+
 DEFAULT_SYSTEM_PROMPT = (
     "You describe a photo. You get the top labels of an ImageNet image classifier with their "
     "confidences, and the photo itself when it is attached. Look at the photo when you have it; "
@@ -306,7 +308,7 @@ def parse_settings(parameters: dict[str, str], environ=None) -> Settings:
 def _validate(s):
     problems = []
     if not s.base_url.startswith(("http://", "https://")):
-        problems.append(f"base_url must start with http:// or https://, got {s.base_url!r}")
+        problems.append(f"base_url must start with http:// or https://, got {shown_url(s.base_url)!r}")
     if not s.model:
         problems.append("model must not be empty")
     if not 1 <= s.max_tokens <= s.max_tokens_limit:

@@ -25,7 +25,8 @@ class StreamedAnswer:
         self.call = call
         self.emit = emit
         self.chars = 0  # of text kept and emitted
-        self.billed = False  # whether the open stream's usage chunk came
+        self.billed = False  # whether the open stream was billed (at its end)
+        self.reported = None  # the open stream's last usage chunk
         self.read_chars = 0  # of text the open stream sent, kept or not
 
     async def attempt(self, timeout):
@@ -38,20 +39,20 @@ class StreamedAnswer:
             "/chat/completions", cast_to=ChatCompletionChunk, stream=True, stream_cls=AsyncStream[ChatCompletionChunk],
             options=c.job.options(timeout),
             body=c.job.body(c.messages, stream=True, stream_options={"include_usage": True})), timeout)
-        self.billed, self.read_chars = False, 0
+        self.billed, self.reported, self.read_chars = False, None, 0
         try:
             while True:
                 chunk = await c.wait(_next(stream), end - c.clock())
                 if chunk is None:
                     raise MalformedResponse("the stream ended without text")
-                self._bill(chunk)
+                self._note_usage(chunk)
                 self.read_chars += len(_delta_text(chunk))
                 text = _delta_text(chunk).lstrip()
                 if text:
                     return text, stream, finish_reason_of(chunk)
         except BaseException:
             await _close(stream)
-            self._estimate_unbilled()
+            self._settle(ended=False)
             raise
 
     async def read(self, answer):
@@ -71,8 +72,7 @@ class StreamedAnswer:
         finally:
             # Closing the response closes its connection: the upstream stops generating (and billing).
             await _close(stream)
-            if not ended:  # cut short or cancelled (a whole stream without usage is not estimated)
-                self._estimate_unbilled()
+            self._settle(ended)
             c.release_slot()
             c.usage.upstream_latency_ms += (c.clock() - read_from) * 1000.0
         return "".join(parts), finish_reason, failure
@@ -94,7 +94,7 @@ class StreamedAnswer:
                 return c.classify_failure(exc), finish_reason
             if chunk is None:
                 return None, finish_reason
-            self._bill(chunk)
+            self._note_usage(chunk)
             finish_reason = finish_reason_of(chunk) or finish_reason
             text = _delta_text(chunk)
             self.read_chars += len(text)
@@ -112,22 +112,27 @@ class StreamedAnswer:
             self.emit(kept)
         return len(text) <= room
 
-    def _bill(self, chunk):
+    def _note_usage(self, chunk):
+        # The last one counts: an upstream may repeat the running total on every chunk
+        # (vLLM's continuous_usage_stats), where summing them would bill it many times over.
         if getattr(chunk, "usage", None) is not None:
-            self.call.bill(chunk.usage)
-            self.billed = True
+            self.reported = chunk.usage
 
-    def _estimate_unbilled(self):
-        """A stream that ended before its usage chunk (cut, timed out, cancelled) was
-        billed upstream all the same: estimate its tokens from the prompt and the
-        text it sent, and say so in USAGE (tokens_estimated)."""
+    def _settle(self, ended):
+        """Bill the stream once, as it closes: its last usage chunk. One that ended
+        before any (cut, timed out, cancelled) was billed upstream all the same:
+        estimate its tokens from the prompt and the text it sent, and say so in
+        USAGE (tokens_estimated). A whole stream without usage is not estimated."""
         if self.billed:
             return
         self.billed = True
         c = self.call
-        c.bill(SimpleNamespace(prompt_tokens=estimated_tokens(message_chars(c.messages)),
-                               completion_tokens=estimated_tokens(self.read_chars)))
-        c.usage.tokens_estimated = True
+        if self.reported is not None:
+            c.bill(self.reported)
+        elif not ended:
+            c.bill(SimpleNamespace(prompt_tokens=estimated_tokens(message_chars(c.messages)),
+                                   completion_tokens=estimated_tokens(self.read_chars)))
+            c.usage.tokens_estimated = True
 
 
 async def _next(stream):
@@ -149,5 +154,16 @@ def _delta_text(chunk):
         text = chunk.choices[0].delta.content
     except (AttributeError, IndexError, TypeError):
         return ""
-    return text if isinstance(text, str) else ""
+    return _whole_characters(text) if isinstance(text, str) else ""
+
+
+def _whole_characters(text):
+    """`text` with each lone UTF-16 surrogate (JSON lets "\\ud83d" through alone, as when a
+    gateway splits an emoji's pair across two chunks) as U+FFFD: one would fail the
+    chunk's UTF-8 encoding on its way out, and the stream with it."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
