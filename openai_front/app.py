@@ -198,6 +198,9 @@ async def _errors_and_auth(request, handler):
 
 
 BODY_SLOT_WAIT_S = 2.0
+# A body's first second is free of the pace OPENAI_FRONT_MIN_BODY_RATE sets (a connection's
+# slow start, a client's pause between its head and its body).
+BODY_RATE_GRACE_S = 1.0
 
 
 class InFlight:
@@ -271,7 +274,7 @@ def load_json(raw):
         raise invalid("the request body is not valid JSON") from None
 
 
-async def read_body(request, limit):
+async def read_body(request, limit, first=None, min_rate=0):
     """The whole body as bytes, copied once: as aiohttp's request.read() reads it
     (its buffers raised to the limit, the same 413 past it) but without its
     bytearray, whose growth and copy into bytes cost three to four copies of a
@@ -279,28 +282,49 @@ async def read_body(request, limit):
     SMALL_PIECE_BYTES or more are kept as aiohttp made them; smaller ones are
     gathered first, so that a chunked body of 1-byte chunks (each its own bytes
     object, about 56 bytes of memory a byte) holds about its own size. The
-    bytes are not kept for request.read(): nothing reads the body twice."""
+    bytes are not kept for request.read(): nothing reads the body twice.
+
+    first: the body's first readchunk(), when the caller read it already.
+    min_rate: after BODY_RATE_GRACE_S, the body must have come at this many
+    bytes a second on average, else 408 (0: no pace)."""
     request.content.set_read_chunk_size(limit)
     pieces, small, size = [], bytearray(), 0
-    while True:
-        chunk, end_of_http_chunk = await request.content.readchunk()
-        if not chunk:
-            if end_of_http_chunk and not request.content.at_eof():
-                continue  # a chunked body's chunk ended where the last read did
-            break
-        size += len(chunk)
-        if size > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
-        if len(chunk) < SMALL_PIECE_BYTES:
-            small += chunk
-            if len(small) < SMALL_PIECE_BYTES:
-                continue
-            chunk = bytes(small)
-            small.clear()
-        elif small:
-            pieces.append(bytes(small))
-            small.clear()
-        pieces.append(chunk)
+    started = asyncio.get_running_loop().time()
+    pace = asyncio.timeout_at(started + BODY_RATE_GRACE_S if min_rate else None)
+    try:
+        async with pace:
+            while True:
+                if first is not None:
+                    (chunk, end_of_http_chunk), first = first, None
+                else:
+                    chunk, end_of_http_chunk = await request.content.readchunk()
+                if not chunk:
+                    if end_of_http_chunk and not request.content.at_eof():
+                        continue  # a chunked body's chunk ended where the last read did
+                    break
+                size += len(chunk)
+                if size > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+                if min_rate:  # the next byte is due when the body would fall behind the pace
+                    pace.reschedule(started + BODY_RATE_GRACE_S + size / min_rate)
+                if len(chunk) < SMALL_PIECE_BYTES:
+                    small += chunk
+                    if len(small) < SMALL_PIECE_BYTES:
+                        continue
+                    chunk = bytes(small)
+                    small.clear()
+                elif small:
+                    pieces.append(bytes(small))
+                    small.clear()
+                pieces.append(chunk)
+    except TimeoutError:
+        # Only the pace's own expiry arrives here as TimeoutError: read_request's deadline
+        # passes through this block as a cancellation, and becomes its 408 there.
+        if not pace.expired():
+            raise
+        raise FrontError(408, f"the request body came slower than {min_rate} bytes a second after its "
+                              f"first {BODY_RATE_GRACE_S:g} s (OPENAI_FRONT_MIN_BODY_RATE)",
+                         code="request_timeout") from None
     if small:
         pieces.append(bytes(small))
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -310,20 +334,26 @@ async def read_request(request):
     """The request's ChatRequest: the body read, parsed and its image decoded,
     in a worker thread when the body is large."""
     settings = request.app[SETTINGS]
-    # A body waits its turn a little: a burst of bodies queues (a slot frees as soon as
-    # a body is in, milliseconds on a fast link), a flood of them is refused.
-    async with request.app[BODIES].slot(wait_s=min(BODY_SLOT_WAIT_S, settings.body_timeout_s)):
-        try:
-            async with asyncio.timeout(settings.body_timeout_s):
-                await expect_continue.send(request)
-                raw = await read_body(request, max_body_bytes(settings))
+    deadline = asyncio.timeout(settings.body_timeout_s)
+    try:
+        async with deadline:
+            await expect_continue.send(request)
+            # A body takes its slot once its first bytes are in: a connection that sent its head
+            # and nothing more holds none (16 of them held every slot for body_timeout_s). Until
+            # then aiohttp buffers what comes as for any connection: at most its read buffer.
+            first = await request.content.readchunk()
+        # A body waits its turn a little: a burst of bodies queues (a slot frees as soon as
+        # a body is in, milliseconds on a fast link), a flood of them is refused.
+        async with request.app[BODIES].slot(wait_s=min(BODY_SLOT_WAIT_S, settings.body_timeout_s)):
+            async with asyncio.timeout_at(deadline.when()):
+                raw = await read_body(request, max_body_bytes(settings), first, settings.min_body_rate)
             access_log.note(request, bytes_in=len(raw))
-        except TimeoutError:
-            raise FrontError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
-                                  "(OPENAI_FRONT_BODY_TIMEOUT_S)", code="request_timeout") from None
-        if len(raw) > OFFLOAD_BYTES:
-            return await asyncio.to_thread(_parse_body, raw, settings)
-        return _parse_body(raw, settings)
+            if len(raw) > OFFLOAD_BYTES:
+                return await asyncio.to_thread(_parse_body, raw, settings)
+            return _parse_body(raw, settings)
+    except TimeoutError:
+        raise FrontError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
+                              "(OPENAI_FRONT_BODY_TIMEOUT_S)", code="request_timeout") from None
 
 
 def _model(settings, model_id):

@@ -33,6 +33,10 @@ __main__). Every name is documented in the README's OpenAI section.
   OPENAI_FRONT_BODY_TIMEOUT_S=10      a request body must arrive within this
                                        (408 and the connection closed after it), so
                                        slow or stalled senders cannot hold the body slots
+  OPENAI_FRONT_MIN_BODY_RATE=32768    bytes a second a body must keep up, on average,
+                                       from its first second on (408 and closed
+                                       below it); a body takes its slot only
+                                       once its first bytes are in (0: no pace)
   OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT=8  allowlisted image URLs fetched at once;
                                        more are refused (503, Retry-After)
   OPENAI_FRONT_DRAIN_S=5               at shutdown (TERM): open streams end at once
@@ -89,6 +93,9 @@ class Settings:
     max_image_bytes: int = 20 * 1024 * 1024
     max_prompt_chars: int = MAX_PROMPT_CHARS  # the describe step's default max_prompt_chars
     body_timeout_s: float = 10.0
+    # A trickle (a byte a second) held a body slot for all of body_timeout_s: 16 of them
+    # shut every other body out. At 32 KiB/s a client that holds them all sends 0.5 MB/s.
+    min_body_rate: int = 32 * 1024
     max_fetches_in_flight: int = 8
     drain_s: float = 5.0
     grpc_channels: int = 2
@@ -195,6 +202,7 @@ def from_environ(environ=None, **overrides):
         max_image_bytes_in_flight=_int(environ, "OPENAI_FRONT_MAX_IMAGE_BYTES_IN_FLIGHT",
                                        Settings.max_image_bytes_in_flight, 1),
         body_timeout_s=_float(environ, "OPENAI_FRONT_BODY_TIMEOUT_S", 10.0),
+        min_body_rate=_int(environ, "OPENAI_FRONT_MIN_BODY_RATE", Settings.min_body_rate, 0),
         max_fetches_in_flight=_int(environ, "OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT", 8, 1),
         drain_s=_float(environ, "OPENAI_FRONT_DRAIN_S", 5.0),
         grpc_channels=_int(environ, "OPENAI_FRONT_GRPC_CHANNELS", 2, 1),

@@ -798,7 +798,8 @@ def test_bodies_being_read_past_the_limit_are_503_with_retry_after_and_free_thei
     """Two real bodies held half-sent take the two slots; a third chat request waits
     BODY_SLOT_WAIT_S for one and is refused, other routes are not; once both bodies arrive, both are read
     (their own answers) and the slots are free again."""
-    app = front_with(StalledPool(), max_bodies_in_flight=2)
+    # No pace: the held bodies must outlast the third request's wait for a slot.
+    app = front_with(StalledPool(), max_bodies_in_flight=2, min_body_rate=0)
     payload = json.dumps(body(model="unknown")).encode()  # read and parsed, then 404: the pool is never called
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload))

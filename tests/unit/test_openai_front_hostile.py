@@ -196,11 +196,11 @@ def peak_memory_reading_in_tiny_chunks(image, monkeypatch):
     message = chat_head(b"Transfer-Encoding: chunked") + b"".join(dribbled(payload, 2, chunked=True))
     pool, peaks, read_body = RecordingPool(), [], front_app.read_body
 
-    async def traced_read_body(request, limit):
+    async def traced_read_body(request, limit, *args):
         # Only the read: orjson's parse next reserves 13 times the body (tracemalloc counts
         # it; the pages it touches are about twice the body).
         tracemalloc.reset_peak()
-        raw = await read_body(request, limit)
+        raw = await read_body(request, limit, *args)
         peaks.append(tracemalloc.get_traced_memory()[1])
         return raw
 
@@ -323,6 +323,54 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot():
     assert held == 1 and freed == 0
     assert status == 408 and b"OPENAI_FRONT_BODY_TIMEOUT_S" in sent and b"Connection: close" in sent
     assert 0.4 < answered_s < 3
+
+
+def test_connections_that_send_only_their_head_hold_no_body_slot():
+    """A body took its slot before its first byte: 16 connections sending a head and
+    nothing more held every slot for OPENAI_FRONT_BODY_TIMEOUT_S, and every other
+    chat request waited BODY_SLOT_WAIT_S for one and was refused. Now they hold none
+    (each still ends at the body timeout), and a valid request beside them is served."""
+    pool = StalledPool()
+    app = front_with(pool, max_bodies_in_flight=1, body_timeout_s=5)
+
+    async def main():
+        async with await serving(app) as server:
+            heads_only = [asyncio.create_task(raw_exchange(server.port, post_head(1000), read_timeout=10))
+                          for _ in range(3)]
+            await until(lambda: app[front_app.METRICS].in_flight >= 3 or any(t.done() for t in heads_only),
+                        "the three heads are in their handlers")
+            held = app[front_app.BODIES].now
+            started = time.monotonic()
+            await valid_request_is_served(server.port, pool)
+            served_s = time.monotonic() - started
+            statuses = [status for status, _, _ in await asyncio.gather(*heads_only)]
+            return held, served_s, statuses
+
+    held, served_s, statuses = asyncio.run(main())
+    assert held == 0, "a head without a body holds no body slot"
+    assert served_s < front_app.BODY_SLOT_WAIT_S, "served at once, not after waiting for a slot"
+    assert statuses == [408] * 3
+
+
+def test_a_body_that_falls_behind_the_minimum_rate_is_408_after_its_grace_and_frees_its_slot():
+    """A trickle (a byte, then nothing) held a slot for all of OPENAI_FRONT_BODY_TIMEOUT_S;
+    behind OPENAI_FRONT_MIN_BODY_RATE it is cut once its grace second is over."""
+    pool = StalledPool()
+    app = front_with(pool, max_bodies_in_flight=1, body_timeout_s=10, min_body_rate=1000)
+
+    async def main():
+        async with await serving(app) as server:
+            trickle = asyncio.create_task(raw_exchange(server.port, post_head(1000), b"{", read_timeout=15))
+            await until(lambda: app[front_app.BODIES].now == 1 or trickle.done(), "the trickle holds the slot")
+            status, sent, answered_s = await trickle
+            freed = app[front_app.BODIES].now
+            await valid_request_is_served(server.port, pool)
+            return status, sent, answered_s, freed
+
+    status, sent, answered_s, freed = asyncio.run(main())
+    assert status == 408 and b"OPENAI_FRONT_MIN_BODY_RATE" in sent and b"Connection: close" in sent
+    assert front_app.BODY_RATE_GRACE_S < answered_s < 5, "cut after its grace, long before the body timeout"
+    assert freed == 0
 
 
 def test_image_url_fetches_past_the_limit_are_503_before_any_fetch(monkeypatch):
