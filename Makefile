@@ -157,10 +157,17 @@ $(BENTOML_DIR)/.installed: versions.env requirements-bentoml.txt scripts/install
 docker-build:
 	docker build --build-arg TRITON_IMAGE=$(TRITON_IMAGE) -t $(IMAGE_NAME) .
 
+# Every LLM_*, OPENAI_FRONT_* and TRITON_TRACE_* variable that is set goes in by name only
+# (-e NAME: docker reads the value), so no key shows in make's output or in argv; not
+# the *_FILE ones, paths on this host that the container cannot read.
+DOCKER_ENV = $(sort $(foreach v,$(filter LLM_% OPENAI_FRONT_% TRITON_TRACE_%,$(.VARIABLES)),\
+  $(if $(filter environment% command%,$(origin $v)),$(if $(filter %_FILE,$v),,$v))) \
+  TRITON_ADMIN_KEY TRITON_INFERENCE_KEY)
+
 docker-run:
 	docker run --rm --gpus all --shm-size=1g \
 	  -p $(HTTP_PORT):8000 -p $(GRPC_PORT):8001 -p $(METRICS_PORT):8002 -p $(OPENAI_PORT):8003 \
-	  -e LLM_BASE_URL -e LLM_MODEL -e LLM_API_KEY -e TRITON_ADMIN_KEY -e TRITON_INFERENCE_KEY -e OPENAI_FRONT_API_KEY $(IMAGE_NAME)
+	  $(addprefix -e ,$(DOCKER_ENV)) $(IMAGE_NAME)
 
 clean:
 	rm -rf $(BUILD) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)

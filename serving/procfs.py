@@ -10,13 +10,17 @@ import pathlib
 import re
 import urllib.request
 
+# Never through a proxy: these calls go to the local server, some with the admin key, and a pod's
+# http_proxy (set for the LLM's egress) would carry them, in clear text, to the proxy instead.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 def http_json(url, payload=None, timeout=10, headers=None):
-    """GET (no payload) or POST JSON; the decoded answer, or None for an empty body."""
+    """GET (no payload) or POST JSON, never through a proxy; the decoded answer, or None for an empty body."""
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, method="GET" if data is None else "POST",
                                      headers={"Content-Type": "application/json", **(headers or {})})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
+    with _DIRECT.open(request, timeout=timeout) as response:
         body = response.read()
     return json.loads(body) if body else None
 

@@ -104,6 +104,27 @@ case "$http_address" in
   *) http_host="$http_address" ;;
 esac
 
+# The stop's waits in whole seconds, for bash's integer arithmetic in shut_down: the front takes any
+# positive number for OPENAI_FRONT_DRAIN_S (2.5, 1e1), so each is read here, once, and rounded up.
+# A bad value stops the start with its name, not the stop half-way (the front told, tritonserver not).
+stop_waits="$(python3 - <<'PY'
+import math, os, sys
+waits = []
+for name, default, positive in (("OPENAI_FRONT_DRAIN_S", "5", True), ("FRONT_STOP_GRACE_S", "3", False),
+                                ("STREAMS_STOP_S", "2", False)):
+    raw = os.environ.get(name, "").strip() or default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (0 < value if positive else 0 <= value) or not value < math.inf:
+        sys.exit(f"serve: {name}={raw!r} must be a {'positive' if positive else 'non-negative'} number of seconds")
+    waits.append(str(math.ceil(value)))
+print(*waits)
+PY
+)" || exit 1
+read -r front_drain_s front_grace_s streams_stop_s <<< "$stop_waits"
+
 server_pid="" watchdog_pid="" front_pid="" server_status=0 TRITON_STOPPING_FILE=""
 # Wait for child $1 at most $2 seconds, then KILL it.
 wait_bounded() {
@@ -130,12 +151,11 @@ shut_down() {
   # model, which Triton cannot unload while a stream lives.
   if [[ -n "$front_pid" ]]; then
     kill -TERM "$front_pid" 2>/dev/null || true
-    drain_s="${OPENAI_FRONT_DRAIN_S:-5}"
-    wait_bounded "$front_pid" $(( ${drain_s%.*} + ${FRONT_STOP_GRACE_S:-3} ))
+    wait_bounded "$front_pid" $(( front_drain_s + front_grace_s ))
     front_pid=""
   fi
   if [[ -n "$server_pid" ]]; then
-    while (( SECONDS - streams_told < ${STREAMS_STOP_S:-2} )) && kill -0 "$server_pid" 2>/dev/null; do sleep 0.1; done
+    while (( SECONDS - streams_told < streams_stop_s )) && kill -0 "$server_pid" 2>/dev/null; do sleep 0.1; done
     echo "serve: stopping tritonserver (pid $server_pid)" >&2
     kill -TERM "$server_pid" 2>/dev/null || true
     server_status=0
@@ -294,6 +314,7 @@ import os, sys, time, urllib.request
 host, http, timeout, pid, where, front_health = sys.argv[1:]
 urls = [f"http://{host}:{http}/v2/health/ready"] + ([front_health] if front_health else [])
 deadline = time.monotonic() + float(timeout)
+direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a pod's http_proxy
 while time.monotonic() < deadline:
     try:
         os.kill(int(pid), 0)
@@ -301,7 +322,7 @@ while time.monotonic() < deadline:
         sys.exit(0)  # the server exited; its own log says why
     try:
         while urls:
-            with urllib.request.urlopen(urls[0], timeout=2) as r:
+            with direct.open(urls[0], timeout=2) as r:
                 if r.status != 200:
                     break
             urls.pop(0)

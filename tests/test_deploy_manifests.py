@@ -209,6 +209,7 @@ def test_kserve_resources_are_well_formed():
         assert len(names) == len(set(names)), f"the runtime and the predictor both set {names}"
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kserve-check"},
            "spec": {"containers": [container], "volumes": volumes,
+                    "securityContext": service["spec"]["predictor"]["securityContext"],
                     "terminationGracePeriodSeconds": service["spec"]["predictor"]["terminationGracePeriodSeconds"]}}
     kubernetes_validate.validate(pod, K8S_VERSIONS[-1], strict=True)
     check_probes(container, {8080: "http"})
@@ -220,6 +221,28 @@ def test_kserve_resources_are_well_formed():
     # InferenceService that uses the runtime has to remember it).
     assert "TRITON_ADMIN_KEY_FILE" in {e["name"] for e in runtime["spec"]["containers"][0]["env"]}
     check_inference_key_is_an_optional_secret_file(container, pod["spec"])
+
+
+def test_kserve_runtime_declares_both_ports_and_runs_as_the_base_deployment_does():
+    runtime = load_docs(DEPLOY / "kserve/servingruntime.yaml")[0]
+    predictor = load_docs(DEPLOY / "kserve/inferenceservice.yaml")[0]["spec"]["predictor"]
+    container = runtime["spec"]["containers"][0]
+    # KServe exposes the ports the runtime declares: HTTP and gRPC, the gRPC one named h2c.
+    ports = {p["containerPort"]: p.get("name") for p in container["ports"]}
+    http, grpc = int(flag(container["args"], "http-port")), int(flag(container["args"], "grpc-port"))
+    assert set(ports) == {http, grpc} and ports[grpc] == "h2c"
+    # The same user and restrictions as deploy/base: the container's part in the runtime,
+    # the pod's (fsGroup: the key files readable by that user) in the InferenceService.
+    base = load_docs(DEPLOY / "base/deployment.yaml")[0]
+    base_pod = pod_spec(base)["securityContext"]
+    base_container = server_container([base])["securityContext"]
+    runs_as = container["securityContext"]
+    assert runs_as["allowPrivilegeEscalation"] is base_container["allowPrivilegeEscalation"] is False
+    assert runs_as["capabilities"] == base_container["capabilities"] == {"drop": ["ALL"]}
+    for key in ("runAsNonRoot", "runAsUser", "runAsGroup", "seccompProfile"):
+        assert runs_as[key] == predictor["securityContext"][key] == base_pod[key], key
+    assert predictor["securityContext"]["fsGroup"] == base_pod["fsGroup"]
+    assert runs_as["runAsNonRoot"] is True and runs_as["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
 def test_servicemonitor_and_adapter_rule_match_the_deployment():
@@ -679,3 +702,24 @@ def test_the_network_policy_opens_the_front_to_all_metrics_to_monitoring_and_tri
     for port in (8000, 8001):  # pods of this namespace only: a podSelector alone, no namespace, no ipBlock
         (peers,) = allowed[port]
         assert peers and all(set(peer) == {"podSelector"} for peer in peers), (port, peers)
+
+
+def versions_env():
+    pairs = (line.split("=", 1) for line in (REPO / "versions.env").read_text().splitlines()
+             if "=" in line and not line.lstrip().startswith("#"))
+    return {name.strip(): value.strip() for name, value in pairs}
+
+
+def test_image_tags_in_deploy_are_the_pins_of_versions_env():
+    """Manifests cannot read versions.env, so each copy of a pin is checked against it: a bump
+    there fails here until the manifests follow."""
+    versions = versions_env()
+    for overlay_name in OVERLAYS:
+        kustomization = load_docs(DEPLOY / "overlays" / overlay_name / "kustomization.yaml")[0]
+        tags = [image["newTag"] for image in kustomization["images"] if "newTag" in image]
+        assert tags == [versions["TRITON_VERSION"]], overlay_name
+    runtime_image = load_docs(DEPLOY / "kserve/servingruntime.yaml")[0]["spec"]["containers"][0]["image"]
+    assert runtime_image.rsplit(":", 1)[1] == versions["TRITON_VERSION"]
+    gateway = by_kind(load_docs(DEPLOY / "llm-gateway/deployment.yaml"), "Deployment")
+    (litellm,) = [c["image"] for c in pod_spec(gateway)["containers"] if "litellm" in c["image"]]
+    assert litellm.rsplit(":", 1)[1] == f"main-v{versions['LITELLM_VERSION']}"

@@ -2,6 +2,7 @@
 serving/supervise_tritonserver.sh (what serve.sh execs and the container runs)
 announces readiness, runs the stub watchdog and forwards TERM."""
 
+import http.server
 import json
 import os
 import pathlib
@@ -332,3 +333,74 @@ def server_env(tmp_path):
 def test_bad_trace_settings_stop_the_start_with_the_reason(tmp_path, env, says):
     status, stderr, args = run_with_args_dump(tmp_path, **env)
     assert status == 1 and says in stderr and args is None, stderr
+
+
+class ProxyStandIn(http.server.BaseHTTPRequestHandler):
+    """What a pod's http_proxy would be: records every request it gets and answers 502."""
+
+    def do_GET(self):
+        self.server.seen.append(self.requestline)
+        self.send_response(502)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_readiness_check_goes_direct_with_a_proxy_set(tmp_path):
+    """http_proxy set for the LLM's egress: the readiness check (and the watchdog) must still reach
+    the server and the front on loopback, not the proxy."""
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ProxyStandIn)
+    proxy.seen = []
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    proxy_url = f"http://127.0.0.1:{proxy.server_port}"
+    supervisor, _, _ = start_supervisor(tmp_path, http_proxy=proxy_url, HTTP_PROXY=proxy_url, READY_TIMEOUT="20")
+    deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
+    deadline.start()
+    try:
+        for line in supervisor.stderr:
+            if "READY" in line or "not ready after" in line:
+                break
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.wait(timeout=30)
+    finally:
+        local_stack.stop_process(supervisor)
+        deadline.cancel()
+        proxy.shutdown()
+    assert "READY" in line, line
+    assert proxy.seen == []
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"OPENAI_FRONT_DRAIN_S": "abc"}, "OPENAI_FRONT_DRAIN_S='abc' must be a positive number of seconds"),
+    ({"OPENAI_FRONT_DRAIN_S": "0"}, "OPENAI_FRONT_DRAIN_S='0' must be a positive number of seconds"),
+    ({"FRONT_STOP_GRACE_S": "-1"}, "FRONT_STOP_GRACE_S='-1' must be a non-negative number of seconds"),
+    ({"STREAMS_STOP_S": "inf"}, "STREAMS_STOP_S='inf' must be a non-negative number of seconds"),
+])
+def test_bad_stop_waits_stop_the_start_with_the_reason(tmp_path, env, says):
+    status, stderr, args = run_with_args_dump(tmp_path, **env)
+    assert status == 1 and says in stderr and args is None, stderr
+
+
+def test_stop_waits_that_are_not_whole_seconds_still_stop_everything(tmp_path):
+    """The front takes any positive number of seconds for its drain (1e1, 2.5): the supervisor's stop,
+    in bash integers, must not die half-way, with the front told and tritonserver never."""
+    supervisor, _, _ = start_supervisor(tmp_path, OPENAI_FRONT_DRAIN_S="1e1", FRONT_STOP_GRACE_S="0.5",
+                                        STREAMS_STOP_S="0.5")
+    deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
+    deadline.start()
+    try:
+        for line in supervisor.stderr:
+            if "READY" in line:
+                break
+        else:
+            raise AssertionError("the supervisor never said READY")
+        supervisor.send_signal(signal.SIGTERM)
+        rest = supervisor.stderr.read()
+        status = supervisor.wait(timeout=30)
+    finally:
+        local_stack.stop_process(supervisor)
+        deadline.cancel()
+    assert status == 3, rest  # the stand-in server's own status after TERM
+    assert (tmp_path / "got_term").read_text() == "TERM", "the server is stopped"
+    assert_group_gone(supervisor.pid)

@@ -3,15 +3,19 @@ carries a Python stub's command line. The watchdog must reload the model when
 that child dies, and must survive a server that answers badly meanwhile."""
 
 import http.client
+import http.server
+import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+from serving import procfs
 from serving import stub_watchdog as watchdog_module
 from serving.procfs import children
 
@@ -96,3 +100,45 @@ def test_an_unexpected_error_does_not_end_the_watch():
     Broken(server.pid, FlakyServer(), interval_s=0.1).run()  # returns once the server has exited
     server.wait(10)
     assert len(looks) >= 5, "the watchdog kept looking after the first failure"
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """Records each request's line and admin-key header on its server; answers {"who": <server name>}."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.seen.append((self.requestline, self.headers.get("admin-key")))
+        body = json.dumps({"who": self.server.name}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def recording_server(name):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    server.name, server.seen = name, []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_repository_api_is_called_directly_even_with_a_proxy_set(monkeypatch):
+    """A pod's http_proxy (for the LLM's egress) must not carry the watchdog's calls, with the
+    admin key, to the proxy: they go straight to the local server."""
+    triton, proxy = recording_server("triton"), recording_server("proxy")
+    try:
+        for variable in ("http_proxy", "HTTP_PROXY"):
+            monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.server_port}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        answer = procfs.http_json(f"http://127.0.0.1:{triton.server_port}/v2/repository/index", {},
+                                  headers={"admin-key": "k" * 32})
+    finally:
+        triton.shutdown()
+        proxy.shutdown()
+    assert answer == {"who": "triton"}
+    assert proxy.seen == []
+    assert triton.seen == [("POST /v2/repository/index HTTP/1.1", "k" * 32)]

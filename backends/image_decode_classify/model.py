@@ -4,9 +4,10 @@ and VIEW (the JPEG the describe step shows the LLM) when a request asks for it.
 The CPU layout of classify_with_view: the same decode (image_decode.decode_items, preprocess's) and the
 same forward pass (classifier_runtime.classify_rows, the classifier's) as the two-model ensemble, without
 the hop between two stubs and the copy of the pixels through tritonserver (docs/benchmarks-method.md: classify
-answered 1.09x the requests a second on 2 cores, side by side). The weights, labels and version are the
-classifier model's own folder (parameter classifier_model), so a model brought to classifier/ is
-served here too. A bad image fails only its own request, as in preprocess.
+answered 1.09x the requests a second on 2 cores, side by side). The weights and labels are the classifier
+model's own folder (parameter classifier_model), its newest version as Triton serves it, so a model brought
+to classifier/ is served here too once this model is reloaded. A bad image fails only its own request, as
+in preprocess.
 """
 
 import dataclasses
@@ -47,6 +48,19 @@ def split_parameters(parameters):
     return {key: value for key, value in parameters.items() if key in DECODE_KEYS}, classifier, folder
 
 
+def newest_version(model_dir, model_file):
+    """The classifier version this model serves: the highest numbered version folder of model_dir that
+    holds model_file, what Triton serves of the classifier itself (the default policy, latest: 1).
+    Not this model's own version: classify_with_view has only 1/, a new classifier/2/ is in model_dir."""
+    model_dir = pathlib.Path(model_dir)
+    versions = [int(entry.name) for entry in model_dir.iterdir() if entry.name.isdigit() and entry.is_dir()
+                and (entry / model_file).is_file()] if model_dir.is_dir() else []
+    if not versions:
+        raise ClassifierConfigError(f"no version folder of {model_dir} holds {model_file} (set parameter model_file, "
+                                    "or run scripts/export_onnx.py)")
+    return max(versions)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.model_name = args["model_name"]
@@ -59,7 +73,8 @@ class TritonPythonModel:
             settings = classifier_settings(classifier_parameters)
             # In the Python backend "model_repository" is this model's own folder (model_repository/<name>).
             classifier_dir = pathlib.Path(args["model_repository"]).parent / folder
-            self.classifier = load(settings, classifier_dir, args["model_version"], self._tensors(model_config, decode))
+            version = newest_version(classifier_dir, settings.model_file)
+            self.classifier = load(settings, classifier_dir, version, self._tensors(model_config, decode))
         except (DecodeConfigError, ClassifierConfigError) as error:
             raise pb_utils.TritonModelException(f"{self.model_name}: {error}") from None
         self.board = join_board(self.log)
@@ -68,7 +83,7 @@ class TritonPythonModel:
         # VIEW only for a request that asks for it, and never encoded with LLM_VISION=off (decode_items).
         self.has_view = pb_utils.get_output_config_by_name(model_config, VIEW_NAME) is not None
         self.vision_off = os.environ.get("LLM_VISION", "").strip().lower() == "off"
-        self.log.info(f"ready: {decode}; {classifier_dir.name}/{args['model_version']}/{settings.model_file}, "
+        self.log.info(f"ready: {decode}; {classifier_dir.name}/{version}/{settings.model_file}, "
                       f"runtime {settings.runtime}, {self.classifier.details}")
 
     def _tensors(self, model_config, decode):

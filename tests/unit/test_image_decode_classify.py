@@ -302,3 +302,38 @@ def test_unloading_an_instance_gives_its_place_on_the_board_back(name, tmp_path,
     after = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid())  # another live stub joining
     assert after.slot == 0  # 1 if the unloaded instance still held its place
     after.close()
+
+
+def test_the_newest_classifier_version_holding_the_model_file_is_served(tmp_path):
+    """Triton serves the classifier's newest version (latest: 1); this model must read the same
+    weights, not those of its own version number (classify_with_view has only 1/)."""
+    for version, has_file in (("1", True), ("2", True), ("10", True), ("11", False), ("draft", True)):
+        (tmp_path / version).mkdir()
+        if has_file:
+            (tmp_path / version / "model.onnx").write_bytes(b"")
+    (tmp_path / "12").write_bytes(b"")  # a file, not a version folder
+    assert fused_module.newest_version(tmp_path, "model.onnx") == 10
+    with pytest.raises(fused_module.ClassifierConfigError, match="model.pt"):
+        fused_module.newest_version(tmp_path, "model.pt")
+
+
+def test_a_new_classifier_version_is_loaded_and_named_in_the_log(tmp_path, monkeypatch):
+    repository = tmp_path / "model_repository"
+    (repository / "classify_with_view" / "1").mkdir(parents=True)
+    (repository / "classifier" / "1").mkdir(parents=True)
+    (repository / "classifier" / "2").mkdir()
+    for version in ("1", "2"):
+        (repository / "classifier" / version / "model.onnx").symlink_to(REPOSITORY / "classifier/1/model.onnx")
+    loaded, logged = [], []
+    real_load = fused_module.load
+    monkeypatch.setattr(fused_module, "load", lambda settings, model_dir, version, tensors: (
+        loaded.append(version), real_load(settings, model_dir, version, tensors))[1])
+    monkeypatch.setattr(fused_module.Log, "info", lambda self, message: logged.append(message))
+    model = fused_module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps(as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt")),
+                      "model_name": "classify_with_view", "model_version": "1",
+                      "model_repository": str(repository / "classify_with_view"), "model_instance_kind": "CPU",
+                      "model_instance_device_id": "0"})
+    assert loaded == [2]
+    assert any("classifier/2/model.onnx" in message for message in logged)
+    model.finalize()
