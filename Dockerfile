@@ -48,7 +48,7 @@ RUN set -a && . ./versions.env && set +a \
 
 EXPOSE 8000 8001 8002 8003
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s \
-  CMD ["curl", "-fsS", "http://127.0.0.1:8000/v2/health/ready"]
+  CMD ["curl", "-fsS", "--noproxy", "*", "http://127.0.0.1:8000/v2/health/ready"]
 
 # LLM_BASE_URL, LLM_MODEL, LLM_API_KEY / LLM_API_KEY_FILE come from the
 # environment at run time (docs/llm-endpoints.md); nothing secret is baked in.

@@ -232,6 +232,21 @@ class InferenceCalls:
             _registered_method=True)
 
 
+def channel_args(*extra):
+    """tritonclient's own channel options (it drops them all when given any), never
+    through a proxy, and `extra`. gRPC takes http_proxy from the environment, and a
+    pod's (set for the LLM's egress) had every inference tunnelled to the proxy, or
+    refused where the proxy cannot reach this host's Triton."""
+    keepalive = grpcclient.KeepAliveOptions()
+    return [("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.enable_http_proxy", 0), *extra]
+
+
 class TritonPool:
     """Create inside the running event loop (gRPC aio channels belong to it)."""
 
@@ -239,14 +254,14 @@ class TritonPool:
         self.url = url
         self.timeout_s = timeout_s
         self._metadata = inference_metadata(inference_key)
-        self._clients = [grpcclient.InferenceServerClient(url) for _ in range(channels)]
+        self._clients = [grpcclient.InferenceServerClient(url, channel_args=channel_args()) for _ in range(channels)]
         self._next = itertools.cycle(self._clients)
         self._calls = itertools.cycle([InferenceCalls(client._channel) for client in self._clients])
         # The config reads (longest_queue_time_s) start while Triton may still be loading: on a
         # channel of their own, with its own subchannel (gRPC shares one per address across a
         # process's channels), so that its reconnect back-off after refused connections never
         # delays an inference (the first answers through the front were 503 for seconds).
-        self._configs = grpcclient.InferenceServerClient(url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+        self._configs = grpcclient.InferenceServerClient(url, channel_args=channel_args(("grpc.use_local_subchannel_pool", 1)))
 
     async def close(self):
         for client in (*self._clients, self._configs):

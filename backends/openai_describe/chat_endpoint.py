@@ -73,7 +73,8 @@ class ChatEndpoint:
         if self.session is None:
             connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=KEEPALIVE_S,
                                              ssl=httpx2.create_ssl_context())
-            self.session = aiohttp.ClientSession(connector=connector)
+            # trust_env: HTTP(S)_PROXY and NO_PROXY, as the SDK's httpx on the stream path reads them.
+            self.session = aiohttp.ClientSession(connector=connector, trust_env=True)
         return self.session
 
     def _request(self):

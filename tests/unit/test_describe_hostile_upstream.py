@@ -67,8 +67,9 @@ class Upstream:
         return (self.script.pop(0) if self.script else self.then)()
 
 
-def run(test, upstream, **params):
-    """`test(describer, observer, log)` against `upstream` on one loop."""
+def run(test, upstream, base_url=None, **params):
+    """`test(describer, observer, log)` against `upstream` on one loop; `base_url(port)`:
+    the describe step's, given the upstream's port (by default the upstream's own URL)."""
     async def main():
         app = web.Application()
         app.router.add_post("/v1/chat/completions", upstream.handle)
@@ -77,7 +78,8 @@ def run(test, upstream, **params):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        settings = parse_settings(dict(FAST, base_url=f"http://127.0.0.1:{port}/v1", **params), {})
+        url = base_url(port) if base_url else f"http://127.0.0.1:{port}/v1"
+        settings = parse_settings(dict(FAST, base_url=url, **params), {})
         observer, log = Recorder(), Log()
         describer = Describer(settings, make_client(settings, KEY), Scrubber(KEY), observer, log)
         try:
@@ -258,3 +260,26 @@ def test_an_error_about_this_photo_is_not_a_model_that_takes_no_images():
 def test_an_upstream_url_is_logged_without_its_credentials():
     assert shown_url("https://user:tok3n@gw.example:8443/v1?key=abc&x=1") == "https://gw.example:8443/v1"
     assert shown_url("http://127.0.0.1:9000/v1") == "http://127.0.0.1:9000/v1"
+
+
+def test_both_paths_reach_the_upstream_through_the_environments_proxy(monkeypatch):
+    """The stream goes through the SDK, whose httpx honours HTTPS_PROXY/HTTP_PROXY and
+    NO_PROXY; the whole answer's aiohttp session ignored them, so behind an egress proxy
+    every whole answer failed (connection_error) while streams worked."""
+    for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    whole = answer(body=completion("Through the proxy."))
+    streamed_body = events(chunk("Streamed through", finish_reason="stop"))
+    proxy = Upstream(whole, stream_answer(streamed_body))
+
+    def through_the_proxy(port):
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        return "http://llm.invalid/v1"  # resolves nowhere: only the proxy can answer for it
+
+    async def test(d, obs, log):
+        return await d.describe(job()), await streamed(d, job(prompt="streamed"))
+    plain, (chunks, stream_result) = run(test, proxy, base_url=through_the_proxy)
+    assert (plain.source, plain.description) == ("llm", "Through the proxy.")
+    assert (stream_result.source, "".join(chunks)) == ("llm", "Streamed through")
+    assert [headers["Host"] for headers in proxy.request_headers] == ["llm.invalid", "llm.invalid"]

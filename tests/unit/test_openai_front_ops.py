@@ -7,6 +7,8 @@ import asyncio
 import json
 import logging
 import re
+import socket
+import threading
 
 import aiohttp
 import pytest
@@ -16,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from openai_front import access_log, settings
 from openai_front import app as front_app
 from openai_front import request_id as ids
+from openai_front.triton import TritonPool
 
 from .test_openai_front import StalledPool, body, front_with
 from .test_openai_front_fields import RecordingPool
@@ -223,3 +226,38 @@ def test_metrics_are_the_standard_exposition_with_process_metrics_and_count_each
                         (("model", "other"), ("status", "404"), ("stream", "false")): 1}
     assert samples[("process_cpu_seconds_total", ())] > 0
     assert openmetrics.decode().rstrip().endswith("# EOF")
+
+
+def test_the_front_reaches_triton_directly_whatever_http_proxy_says(monkeypatch):
+    """gRPC takes http_proxy from the environment: a pod's, set for the LLM's egress,
+    had every inference tunnelled (CONNECT) to the proxy. Nothing reaches it now."""
+    proxy = socket.create_server(("127.0.0.1", 0))
+    proxy.settimeout(3)
+    seen = []
+
+    def record():
+        try:
+            connection, _ = proxy.accept()
+            seen.append(connection.recv(200))
+            connection.close()
+        except OSError:
+            pass
+    listener = threading.Thread(target=record, daemon=True)
+    listener.start()
+    with socket.create_server(("127.0.0.1", 0)) as closed:  # a port nothing listens on once closed
+        triton_port = closed.getsockname()[1]
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.getsockname()[1]}")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("no_grpc_proxy", raising=False)
+
+    async def main():
+        pool = TritonPool(f"127.0.0.1:{triton_port}", channels=1)
+        try:
+            return await pool.is_ready()
+        finally:
+            await pool.close()
+    assert asyncio.run(main()) is False
+    listener.join()
+    proxy.close()
+    assert seen == []
