@@ -1,5 +1,8 @@
 """The front's settings, from the environment (and command-line overrides in
-__main__). Every name is documented in the README's OpenAI section.
+__main__). Every name is documented in the README's OpenAI section, but the
+three of where it listens and where Triton is: the supervisor passes those as
+--host, --port and --triton-grpc-url, so they serve only `python -m openai_front`
+run on its own.
 
   OPENAI_PORT=8003, OPENAI_ADDRESS (default LISTEN_ADDRESS, else 127.0.0.1)
   TRITON_GRPC_URL=127.0.0.1:8001       where Triton's gRPC endpoint is
