@@ -56,6 +56,13 @@ def parse_args(argv):
     return args
 
 
+def number(usage, key):
+    """usage[key] when it is a number, else None: USAGE is the server's JSON, and a value of
+    another type ("0.1") must not end the batch in a format string."""
+    value = usage.get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def format_text(path, result):
     usage = result.usage
     lines = [f"{path}"]
@@ -64,7 +71,7 @@ def format_text(path, result):
     lines.append(f"  description ({result.description_source}): {result.description}")
     if result.description_source == "fallback" and usage.get("fallback_reason"):
         lines.append(f"  fallback reason: {usage['fallback_reason']}")
-    cost = usage.get("cost_usd")
+    cost = number(usage, "cost_usd")
     lines.append(f"  tokens {usage.get('total_tokens', 0)}  cost "
                  f"{f'${cost:.6f}' if cost is not None else 'n/a'}  latency {result.latency_ms:.0f} ms")
     return "\n".join(lines)
@@ -117,7 +124,7 @@ def print_event(path, event, as_json):
         lines = [f"  source {result.description_source}"]
         if result.usage.get("fallback_reason"):
             lines.append(f"  reason: {result.usage['fallback_reason']}")
-        first = result.usage.get("time_to_first_token_ms")
+        first = number(result.usage, "time_to_first_token_ms")
         lines.append(f"  tokens {result.usage.get('total_tokens', 0)}  latency {result.latency_ms:.0f} ms"
                      + (f"  first token after {first:.0f} ms (server)" if first is not None else ""))
         print("\n".join(lines), flush=True)

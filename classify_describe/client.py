@@ -6,13 +6,16 @@ SCORES, DESCRIPTION, DESCRIPTION_SOURCE, USAGE out) and return `Result`.
 
 import asyncio
 import base64
+import email.utils
 import http.client
 import itertools
 import json
+import math
 import os
 import pathlib
 import random
 import time
+import zlib
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -24,6 +27,15 @@ from classify_describe.throttle import AdaptiveThrottle
 MODEL_NAME = "classify_and_describe"
 STREAM_MODEL_NAME = "classify_and_describe_stream"
 OUTPUT_NAMES = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")
+# The most bytes of an HTTP answer read, once inflated. An answer holds 5 labels and scores, a
+# description of at most the describe model's max_answer_chars (16384 characters, 6 bytes each
+# even as JSON escapes) and a USAGE of a few hundred bytes: under 128 KiB. 16 MiB is over a hundred
+# times that, and still bounds what a broken server or proxy makes the client hold.
+MAX_ANSWER_BYTES = 16 * 2**20
+# The longest line of a generate_stream (one event), for both clients: aiohttp's readline limit,
+# twice the session's read_bufsize, set to aiohttp 3.14's default (256 KiB). An event carries a
+# chunk of the description; even the whole description would fit in one.
+MAX_EVENT_LINE_BYTES = 2 * 2**18
 
 
 class TritonRequestError(RuntimeError):
@@ -31,8 +43,9 @@ class TritonRequestError(RuntimeError):
 
     `infer` raises it when the server answered with an error (a bad image, a
     limit, an unknown model, UNAVAILABLE), or with an answer that is not the
-    ensemble's outputs (one missing, of another shape or type: a proxy or a
-    misconfigured server; `stream` the same for a malformed event). `infer_many` reports every failure of
+    ensemble's outputs (one missing, of another shape or type, USAGE not a JSON
+    object, larger than max_answer_bytes: a proxy or a misconfigured server;
+    `stream` the same for a malformed event). `infer_many` reports every failure of
     one image with it: also no answer (connection refused or closed, timed out)
     and a file that cannot be read, with the original error as `__cause__`.
 
@@ -202,11 +215,16 @@ class _Attempts:
         raises what the caller gets."""
         client = self._client
         client._count_accepted(error)
+        retry_after_s = getattr(error, "retry_after_s", None)  # an HTTP answer's Retry-After (_http_error)
         if isinstance(error, Throttled):
             resend = self._held_back_left > 0
             self._held_back_left -= 1
         else:
-            resend = self._resends_left > 0 and _resend(error, client._module)
+            # A server that asks for a longer wait than the caller gives an attempt (timeout_s):
+            # its error now, rather than the caller's time slept away before it.
+            waits_too_long = (retry_after_s is not None and client._timeout_s is not None
+                              and min(retry_after_s, RETRY_AFTER_CAP_S) > client._timeout_s)
+            resend = self._resends_left > 0 and _resend(error, client._module) and not waits_too_long
             self._resends_left -= 1
             client.retried += resend
         if not resend:
@@ -214,7 +232,7 @@ class _Attempts:
                 raise _request_error(error, client._module, client._timeout_s) from None
             raise error
         self._attempt += 1
-        return backoff_s(client._retry_backoff_s, self._attempt - 1)
+        return backoff_s(client._retry_backoff_s, self._attempt - 1, retry_after_s)
 
 
 @dataclass
@@ -264,23 +282,19 @@ class _StreamState:
 
     def _events(self, outputs):
         if "LABELS" in outputs:
-            self.labels = [_text(v) for v in outputs["LABELS"]]
-            self.scores = [float(v) for v in outputs["SCORES"]]
+            self.labels = [_text(v, "LABELS") for v in outputs["LABELS"]]
+            self.scores = [_score(v) for v in outputs["SCORES"]]
             yield StreamEvent("labels", labels=self.labels, scores=self.scores)
         if outputs.get("DESCRIPTION"):
-            text = _text(outputs["DESCRIPTION"])
+            text = _text(outputs["DESCRIPTION"], "DESCRIPTION")
             self.parts.append(text)
             yield StreamEvent("text", text=text)
         if "DESCRIPTION_SOURCE" in outputs:
-            usage_text = _text(outputs.get("USAGE", "{}"))
-            try:
-                usage = json.loads(usage_text)
-            except json.JSONDecodeError:
-                usage = {"raw": usage_text}
+            usage = _usage(_text(outputs.get("USAGE", "{}"), "USAGE"))
             self.done = True
             yield StreamEvent("done", result=Result(
                 labels=self.labels, scores=self.scores, description="".join(self.parts),
-                description_source=_text(outputs["DESCRIPTION_SOURCE"]), usage=usage,
+                description_source=_text(outputs["DESCRIPTION_SOURCE"], "DESCRIPTION_SOURCE"), usage=usage,
                 latency_ms=(time.perf_counter() - self.started) * 1e3))
 
 
@@ -303,7 +317,7 @@ def _sse_outputs(line):
         return None
     try:
         event = json.loads(line[5:])
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: JSON nested too deep to read
         raise _bad_answer(error) from error
     if not isinstance(event, dict):
         raise _bad_answer(ValueError(f"an event is a JSON {type(event).__name__}, not an object"))
@@ -317,7 +331,7 @@ def _sse_outputs(line):
     return outputs
 
 
-ERROR_BODY_BYTES = 65536  # of a refused stream's body, for its message
+ERROR_BODY_BYTES = http_transport.ERROR_BODY_BYTES  # of a failed request's body, for its message
 
 
 def _http_refusal(status, body):
@@ -327,16 +341,16 @@ def _http_refusal(status, body):
                               retryable=status == 503, answered=True)
 
 
-async def _body_start(response):
-    """Up to ERROR_BODY_BYTES of an aiohttp response's body, for a failed request's message
-    (a single read returns what has arrived, which may be less)."""
-    body = b""
-    while len(body) < ERROR_BODY_BYTES:
-        chunk = await response.content.read(ERROR_BODY_BYTES - len(body))
+async def _body_start(response, limit):
+    """Up to `limit` bytes of an aiohttp response's body (a single read returns what has arrived,
+    which may be less)."""
+    body = bytearray()
+    while len(body) < limit:
+        chunk = await response.content.read(limit - len(body))
         if not chunk:
             break
         body += chunk
-    return body
+    return bytes(body)
 
 
 def _error_message(body):
@@ -347,14 +361,32 @@ def _error_message(body):
         text = text[5:].split("\n", 1)[0]
     try:
         return str(json.loads(text)["error"])[:500]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return ""
 
 
-def _http_error(status, body, module):
+def _http_error(status, headers, body, module):
     """The InferenceServerException tritonclient raises for an infer answered `status` (the retry
-    policy reads its status), with Triton's message."""
-    return module.InferenceServerException(msg=_error_message(body) or f"HTTP {status}", status=str(status))
+    policy reads its status), with Triton's message and the wait its Retry-After asks for
+    (`retry_after_s`, None without one)."""
+    error = module.InferenceServerException(msg=_error_message(body) or f"HTTP {status}", status=str(status))
+    error.retry_after_s = _retry_after_s(headers.get("Retry-After"))
+    return error
+
+
+def _retry_after_s(value):
+    """The seconds a Retry-After header asks to wait (a number of seconds or an HTTP date), None for
+    none or one that cannot be read."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError):
+            return None
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _http_request_body(inputs, outputs, parameters, key_headers):
@@ -363,22 +395,51 @@ def _http_request_body(inputs, outputs, parameters, key_headers):
 
     body, json_size = tritonclient.http.InferenceServerClient.generate_request_body(
         inputs, outputs=outputs, parameters=parameters)
-    headers = dict(key_headers or {})
+    # Identity: nothing to inflate, so an answer's size on the wire is the size it has in memory.
+    headers = {"Accept-Encoding": "identity", **(key_headers or {})}
     if json_size is not None:
         headers["Inference-Header-Content-Length"] = str(json_size)
     return body, headers
 
 
-def _http_result(body, headers):
-    """The InferResult of a 200's body; TritonRequestError when it is not an inference answer."""
+def _http_result(body, headers, max_bytes):
+    """The InferResult of a 200's body; TritonRequestError when it is not an inference answer, or
+    past `max_bytes` once inflated."""
     import tritonclient.http
 
+    body = _inflated(body, headers.get("Content-Encoding"), max_bytes)
     try:
         return tritonclient.http.InferenceServerClient.parse_response_body(
-            body, header_length=headers.get("Inference-Header-Content-Length"),
-            content_encoding=headers.get("Content-Encoding"))
+            body, header_length=headers.get("Inference-Header-Content-Length"))
     except Exception as error:  # noqa: BLE001 - whatever a 200 that is no inference answer raises in the parser
         raise _bad_answer(error) from error
+
+
+def _inflated(body, encoding, max_bytes):
+    """`body` decoded as its Content-Encoding says, never past `max_bytes`. The clients ask for
+    identity, yet a proxy may compress anyway; tritonclient would inflate it whole, and 255 KB of
+    gzip inflate to 256 MB."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)  # as tritonclient reads them
+    if wbits is None:
+        raise _bad_answer(ValueError(f"Content-Encoding {encoding[:40]!r}, not gzip or deflate"))
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, max_bytes + 1)  # its buffer grows as it inflates
+    except zlib.error as error:
+        raise _bad_answer(error) from error
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _bad_answer(ValueError("the compressed answer is cut short"))
+    return data
+
+
+def _too_large(max_bytes):
+    return TritonRequestError(f"the server's answer is larger than max_answer_bytes ({max_bytes} bytes); "
+                              "not read further", answered=True)
 
 
 def _generate_body(image, prompt, parameters):
@@ -423,26 +484,48 @@ def _build_inputs(module, image, prompt):
     return inputs, outputs
 
 
-def _text(value):
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+def _text(value, name):
+    """One value of the BYTES output `name` as text; ValueError for a value of another type (a
+    number: the output is not BYTES)."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, str):  # BYTES in an answer's JSON form, and in a stream's events
+        return value
+    raise ValueError(f"output {name} holds a {type(value).__name__}, not text")
+
+
+def _score(value):
+    # Not float(value): it reads the text "0.5" and a bool as scores, from an output that is not FP32.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating)):
+        raise ValueError(f"output SCORES holds a {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _usage(text):
+    """USAGE's JSON object; {"raw": text} for text that is not JSON (or nested too deep to read);
+    ValueError for JSON of another kind (null, a list, a number)."""
+    try:
+        usage = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return {"raw": text}
+    if not isinstance(usage, dict):
+        raise ValueError(f"output USAGE is a JSON {type(usage).__name__}, not an object")
+    return usage
 
 
 def _parse(result, latency_ms):
     """The Result of an answer; TritonRequestError when the answer is not the ensemble's outputs
     (one is missing, of another shape or type): never a Result made of the wrong values."""
     try:
-        labels = [_text(v) for v in _row(result, "LABELS")]
-        scores = [float(v) for v in _row(result, "SCORES")]
+        labels = [_text(v, "LABELS") for v in _row(result, "LABELS")]
+        scores = [_score(v) for v in _row(result, "SCORES")]
         if len(labels) != len(scores):
             raise ValueError(f"{len(labels)} LABELS and {len(scores)} SCORES")
-        description, source, usage_text = (_text(_one(result, name))
+        description, source, usage_text = (_text(_one(result, name), name)
                                            for name in ("DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE"))
+        usage = _usage(usage_text)
     except (TypeError, ValueError, IndexError, KeyError, AttributeError) as error:  # AttributeError: a JSON array
         raise _bad_answer(error) from error
-    try:
-        usage = json.loads(usage_text)
-    except json.JSONDecodeError:
-        usage = {"raw": usage_text}
     return Result(labels=labels, scores=scores, description=description, description_source=source,
                   usage=usage, latency_ms=latency_ms)
 
@@ -470,9 +553,15 @@ def _bad_answer(error):
 
 def _key_headers(protocol, inference_key):
     """The header a server whose inference is closed by a key wants
-    (TRITON_INFERENCE_KEY): `inference-key`, over gRPC with Triton's prefix."""
+    (TRITON_INFERENCE_KEY): `inference-key`, over gRPC with Triton's prefix. The key is stripped
+    (one read from a file ends with a newline)."""
+    inference_key = (inference_key or "").strip()
     if not inference_key:
         return None
+    if not (inference_key.isascii() and inference_key.isprintable()):
+        # Refused here, and without the key: the transport's own error would print it.
+        raise ValueError("inference_key holds a control or non-ASCII character, which a header cannot carry "
+                         "(the key is not shown)")
     return {"inference-key" if protocol == "http" else "triton-grpc-protocol-inference-key": inference_key}
 
 
@@ -505,9 +594,11 @@ class Client(_Throttling):
     """Blocking client. `protocol` is "http" (url host:8000) or "grpc" (host:8001)."""
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
-                 timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None, throttle=True):
+                 timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None, throttle=True,
+                 max_answer_bytes=MAX_ANSWER_BYTES):
         """`inference_key`: for a server whose inference needs one
-        (TRITON_INFERENCE_KEY); sent with every request, never printed.
+        (TRITON_INFERENCE_KEY); sent with every request, never printed. Surrounding
+        whitespace is dropped; a control or non-ASCII character in it is a ValueError here.
 
         `retries`: how many times to resend a request that got no answer
         (connection refused or broken, e.g. while the server restarts) or
@@ -519,11 +610,19 @@ class Client(_Throttling):
         Attempts the throttle holds back unsent do not use a resend (up to
         HELD_BACK_PER_RESEND x `retries` of them), so under a long overload a
         call may wait up to retries x (1 + HELD_BACK_PER_RESEND) back-offs.
+        Over HTTP a resend never comes sooner than the server's Retry-After (up to
+        RETRY_AFTER_CAP_S); one that asks for longer than `timeout_s` is not waited
+        for: the call fails at once with the server's error.
 
         `timeout_s`: for the whole of one attempt (the name lookup, connect, send, the whole
         answer; for `stream`, the whole stream), not for each read; None: no
         limit. Threads may share a Client; over HTTP their requests take turns
         on its one connection.
+
+        `max_answer_bytes`: the most bytes of an HTTP answer read, once inflated
+        (default MAX_ANSWER_BYTES, 16 MiB: over a hundred times the largest answer
+        the ensemble gives); a larger one is a TritonRequestError that names it.
+        A stream's events are bounded too, to MAX_EVENT_LINE_BYTES each.
 
         `infer` raises TritonRequestError when the server answered with an
         error, and the connection's own error (ConnectionError, TimeoutError...)
@@ -538,10 +637,11 @@ class Client(_Throttling):
         self._url = url
         self._model_name = model_name
         self._timeout_s = timeout_s
+        self._max_answer_bytes = max_answer_bytes
         if protocol == "http":
             # Our own transport, not tritonclient's (geventhttpclient): that one resends on its
             # own and bounds each read, not the exchange (classify_describe/http_transport.py).
-            self._client = http_transport.HttpTransport(url, timeout_s)
+            self._client = http_transport.HttpTransport(url, timeout_s, max_answer_bytes)
         else:
             self._client = self._module.InferenceServerClient(url)
 
@@ -563,7 +663,7 @@ class Client(_Throttling):
             else:
                 attempts.answered()
                 if self._protocol == "http":
-                    result = _http_result(*answer)
+                    result = _http_result(*answer, self._max_answer_bytes)
                 return _parse(result, (time.perf_counter() - started) * 1e3)
             time.sleep(wait_s)
 
@@ -571,10 +671,13 @@ class Client(_Throttling):
         """One POST to Triton's infer endpoint: (body, headers) of a 200, else the
         InferenceServerException tritonclient would raise."""
         body, headers = _http_request_body(inputs, outputs, parameters, self._headers)
-        status, response_headers, data = self._client.request(
-            "POST", f"/v2/models/{quote(self._model_name)}/infer", body=body, headers=headers)
+        try:
+            status, response_headers, data = self._client.request(
+                "POST", f"/v2/models/{quote(self._model_name)}/infer", body=body, headers=headers)
+        except http_transport.BodyTooLarge:
+            raise _too_large(self._max_answer_bytes) from None
         if status != 200:
-            raise _http_error(status, data[:ERROR_BODY_BYTES], self._module)
+            raise _http_error(status, response_headers, data, self._module)
         return data, response_headers
 
     def stream(self, image, prompt=None, parameters=None, model_name=STREAM_MODEL_NAME):
@@ -639,7 +742,10 @@ class Client(_Throttling):
             response = connection.getresponse()
             if response.status != 200:  # before any event: a failed request's body is no stream
                 raise _http_refusal(response.status, response.read(ERROR_BODY_BYTES))
-            for raw in response:
+            # A line at a time, as long as AsyncClient's may be: one that never ends would fill memory.
+            while raw := response.readline(MAX_EVENT_LINE_BYTES + 1):
+                if len(raw) > MAX_EVENT_LINE_BYTES:
+                    raise _bad_answer(ValueError(f"an event line is longer than {MAX_EVENT_LINE_BYTES} bytes"))
                 outputs = _sse_outputs(raw.decode("utf-8", "replace").strip())
                 if outputs is not None:
                     yield outputs
@@ -673,9 +779,9 @@ class AsyncClient(_Throttling):
 
     def __init__(self, url="127.0.0.1:8000", protocol="http", model_name=MODEL_NAME,
                  concurrency=8, timeout_s=120.0, retries=0, retry_backoff_s=0.5, inference_key=None,
-                 throttle=True):
-        """`retries`: as for Client (no answer and UNAVAILABLE only, never a timeout);
-        `inference_key` and `throttle` too."""
+                 throttle=True, max_answer_bytes=MAX_ANSWER_BYTES):
+        """`retries`: as for Client (no answer and UNAVAILABLE only, never a timeout, and
+        Retry-After honoured); `inference_key`, `throttle` and `max_answer_bytes` too."""
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         _check_retries(retries, retry_backoff_s)
@@ -690,18 +796,20 @@ class AsyncClient(_Throttling):
         self._url = url.rstrip("/")
         self._model_name = model_name
         self._timeout_s = timeout_s
+        self._max_answer_bytes = max_answer_bytes
         self._concurrency = concurrency
         self._limit = asyncio.Semaphore(concurrency)
         if protocol == "http":
             # Our own session, not tritonclient's aio client: its session follows redirects, which
             # would send the photo and the inference key to whatever host a 307 names. The body is
             # still built and read by tritonclient (generate_request_body, parse_response_body).
-            # auto_decompress=False, as tritonclient's: Triton gzips an infer answer for aiohttp's
-            # default Accept-Encoding, and parse_response_body inflates it (Content-Encoding).
+            # auto_decompress=False: the requests ask for identity, and an answer compressed anyway
+            # is inflated within max_answer_bytes (_inflated). aiohttp refuses a line longer than
+            # twice read_bufsize: the stream's MAX_EVENT_LINE_BYTES whatever aiohttp's default.
             import aiohttp
             self._client = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
                                                  timeout=aiohttp.ClientTimeout(total=timeout_s),
-                                                 auto_decompress=False)
+                                                 auto_decompress=False, read_bufsize=MAX_EVENT_LINE_BYTES // 2)
         else:
             self._client = self._module.InferenceServerClient(url)
 
@@ -724,7 +832,7 @@ class AsyncClient(_Throttling):
                 else:
                     attempts.answered()
                     if self._protocol == "http":
-                        result = _http_result(*answer)
+                        result = _http_result(*answer, self._max_answer_bytes)
                     return _parse(result, (time.perf_counter() - started) * 1e3)
                 await asyncio.sleep(wait_s)
 
@@ -735,8 +843,12 @@ class AsyncClient(_Throttling):
         async with self._client.post(f"http://{self._url}/v2/models/{quote(self._model_name)}/infer", data=body,
                                      headers=headers, allow_redirects=False) as response:
             if response.status != 200:
-                raise _http_error(response.status, await _body_start(response), self._module)
-            return await response.read(), response.headers
+                raise _http_error(response.status, response.headers, await _body_start(response, ERROR_BODY_BYTES),
+                                  self._module)
+            body = await _body_start(response, self._max_answer_bytes + 1)
+            if len(body) > self._max_answer_bytes:
+                raise _too_large(self._max_answer_bytes)
+            return body, response.headers
 
     async def infer_many(self, images, prompt=None):
         """Yield (index, Result or TritonRequestError) for each image, in completion order.
@@ -823,7 +935,7 @@ class AsyncClient(_Throttling):
                                      headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
                                               **(self._headers or {})}) as response:
             if response.status != 200:  # before any event: a failed request's body is no stream
-                raise _http_refusal(response.status, await _body_start(response))
+                raise _http_refusal(response.status, await _body_start(response, ERROR_BODY_BYTES))
             try:
                 async for raw in response.content:
                     outputs = _sse_outputs(raw.decode("utf-8", "replace").strip())

@@ -148,6 +148,27 @@ def connect(url, deadline):
     return connection
 
 
+ERROR_BODY_BYTES = 65536  # of a failed request's body: enough for its message
+
+
+class BodyTooLarge(Exception):
+    """A 200's body is longer than the transport's `max_body_bytes` (the rest was not read)."""
+
+
+def read_at_most(response, limit):
+    """Up to `limit` bytes of an http.client response's body, a piece at a time: a body's size is
+    known only once read, and one read of `limit` would set `limit` bytes aside for any answer."""
+    body = bytearray()
+    while len(body) < limit:
+        piece = response.read(min(65536, limit - len(body)))
+        if not piece:
+            if response.length:  # a body cut short: read(amt) returns what came, read() would raise
+                raise http.client.IncompleteRead(bytes(body), response.length)
+            break
+        body += piece
+    return bytes(body)
+
+
 def deadline_after(timeout_s):
     return None if timeout_s is None else time.monotonic() + timeout_s
 
@@ -156,10 +177,11 @@ class HttpTransport:
     """Requests to one server over one kept-alive connection. Threads that share it take turns
     (a connection carries one exchange at a time)."""
 
-    def __init__(self, url, timeout_s):
+    def __init__(self, url, timeout_s, max_body_bytes):
         _, _, self.base_path = split_url(url)  # a malformed url fails here, not at the first request
         self._url = url
         self._timeout_s = timeout_s
+        self._max_body_bytes = max_body_bytes
         self._connection = None
         self._lock = threading.Lock()
 
@@ -167,7 +189,9 @@ class HttpTransport:
         """(status, headers, body) of one exchange, sent once. No answer within timeout_s (connect,
         send and the whole answer together), or by `deadline` when given, raises TimeoutError; a
         connection refused, reset or closed before the whole answer raises ConnectionError or
-        http.client.HTTPException."""
+        http.client.HTTPException. A 200 whose body is longer than max_body_bytes raises
+        BodyTooLarge; of another status only the first ERROR_BODY_BYTES are read (its message):
+        a broken server or proxy can send any length, and the body is held in memory."""
         if deadline is None:
             deadline = deadline_after(self._timeout_s)
         with self._lock:
@@ -176,12 +200,16 @@ class HttpTransport:
                 connection.sock.deadline = deadline
                 connection.request(method, self.base_path + path, body=body, headers=headers or {})
                 response = connection.getresponse()
-                data = response.read()
+                limit = self._max_body_bytes if response.status == 200 else ERROR_BODY_BYTES
+                data = read_at_most(response, limit + 1)
+                if response.status == 200 and len(data) > limit:
+                    raise BodyTooLarge(f"the answer is longer than {limit} bytes")
             except BaseException:
                 self._close()  # the framing of whatever was left on it is lost
                 raise
-            if response.will_close:
+            if response.will_close or not response.isclosed():  # an error's body not read to its end: as above
                 self._close()
+            data = data[:limit]
         return response.status, response.headers, data
 
     def _ready_connection(self, deadline):

@@ -140,7 +140,8 @@ def test_a_response_becomes_a_result():
                                 "description": "A cat \ufffd", "description_source": "llm",
                                 "usage": {"cost_usd": 1e-06}, "latency_ms": 12.35}
     assert c._parse(Response(usage=b"{broken"), 0).usage == {"raw": "{broken"}
-    assert c._text(7) == "7"
+    with pytest.raises(ValueError, match="output LABELS holds a int, not text"):  # a number is no label
+        c._text(7, "LABELS")
 
 
 def test_a_streams_latency_is_the_milliseconds_since_it_started():
