@@ -9,6 +9,10 @@ server refused it, no answer after the retries, a file that cannot be read) is
 reported on its own, with its error and whether sending it again may succeed
 ("retryable"), and the other images go on.
 
+Where Triton restricts inference to a key, the command sends the one in the
+file named by TRITON_INFERENCE_KEY_FILE, else in TRITON_INFERENCE_KEY: the
+names the server's supervisor reads its own from.
+
 Exit status:
   0  every image was answered
   1  some images failed, each reported; the others were answered
@@ -19,6 +23,7 @@ Exit status:
 import argparse
 import asyncio
 import json
+import os
 import pathlib
 import sys
 import time
@@ -53,7 +58,19 @@ def parse_args(argv):
     if args.retries < 0:
         parser.error("--retries must be at least 0")
     args.url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
+    try:
+        args.inference_key = inference_key(os.environ)
+    except OSError as error:
+        parser.error(f"TRITON_INFERENCE_KEY_FILE: cannot read {error.filename}: {error.strerror}")
     return args
+
+
+def inference_key(environ):
+    """The key from the file TRITON_INFERENCE_KEY_FILE names, else TRITON_INFERENCE_KEY, else None."""
+    path = environ.get("TRITON_INFERENCE_KEY_FILE")
+    if path:
+        return pathlib.Path(path).read_text()  # the client strips its newline
+    return environ.get("TRITON_INFERENCE_KEY") or None
 
 
 def number(usage, key):
@@ -133,7 +150,7 @@ def print_event(path, event, as_json):
 async def run_stream(args):
     """One image at a time, each printed as its stream comes."""
     failures = unanswered = 0
-    async with AsyncClient(args.url, args.protocol, timeout_s=args.timeout) as client:
+    async with AsyncClient(args.url, args.protocol, timeout_s=args.timeout, inference_key=args.inference_key) as client:
         for path in args.images:
             try:
                 image = path.read_bytes()
@@ -159,8 +176,8 @@ async def run(args):
         return await run_stream(args)
     progress = Progress(len(args.images))
     failures = unanswered = 0
-    async with AsyncClient(args.url, args.protocol, concurrency=args.concurrency,
-                           timeout_s=args.timeout, retries=args.retries) as client:
+    async with AsyncClient(args.url, args.protocol, concurrency=args.concurrency, timeout_s=args.timeout,
+                           retries=args.retries, inference_key=args.inference_key) as client:
         # Paths, not bytes: infer_many reads each file as its request is sent.
         async for index, outcome in client.infer_many(args.images, args.prompt):
             path = args.images[index]

@@ -266,3 +266,42 @@ def test_a_streams_first_token_time_that_is_not_a_number_is_left_out(capsys):
     result = client_module.Result(["x"], [1.0], "d", "llm", usage={"time_to_first_token_ms": "5", "total_tokens": 3})
     cli.print_event("p.jpg", client_module.StreamEvent("done", result=result), as_json=False)
     assert "tokens 3" in capsys.readouterr().out
+
+
+def test_the_cli_sends_the_inference_key_the_supervisor_reads(monkeypatch, tmp_path):
+    """With TRITON_INFERENCE_KEY(_FILE) exported, the server closes inference to others: the
+    command sent no key and every image got 403. It reads the same two names (the file first)."""
+    passed = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            passed.append(kwargs.get("inference_key"))
+
+        async def __aenter__(self):
+            raise ConnectionError("recorded")  # the key is all this test wants
+
+        async def __aexit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(cli, "AsyncClient", Recording)
+    image = tmp_path / "cat.jpg"
+    image.write_bytes(b"\xff\xd8\xff")
+    key_file = tmp_path / "inference-key"
+    key_file.write_text("from-the-file\n")
+    cases = [({"TRITON_INFERENCE_KEY": "from-the-variable"}, "from-the-variable"),
+             ({"TRITON_INFERENCE_KEY": "from-the-variable", "TRITON_INFERENCE_KEY_FILE": str(key_file)},
+              "from-the-file\n"),
+             ({}, None)]
+    for environ, expected in cases:
+        for name in ("TRITON_INFERENCE_KEY", "TRITON_INFERENCE_KEY_FILE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        for mode in ([], ["--stream"]):
+            with pytest.raises(ConnectionError):
+                cli.main([*mode, str(image)])
+            assert passed.pop() == expected, (environ, mode)
+    monkeypatch.setenv("TRITON_INFERENCE_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([str(image)])
+    assert exit_.value.code == cli.EXIT_USAGE
