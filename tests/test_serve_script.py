@@ -251,6 +251,14 @@ def test_a_front_that_cannot_start_stops_the_server_and_fails_the_supervisor(tmp
     assert_group_gone(supervisor.pid)
 
 
+def read_until_ready(supervisor):
+    """The supervisor's stderr up to its READY line (the line returned)."""
+    for line in supervisor.stderr:
+        if "READY" in line:
+            return line
+    raise AssertionError("the supervisor never said READY")
+
+
 def test_a_front_that_dies_later_stops_the_server_and_fails_the_supervisor(tmp_path):
     """The front killed after READY (an OOM kill, a crash): the same end, and the
     watchdog stops with the server."""
@@ -258,11 +266,7 @@ def test_a_front_that_dies_later_stops_the_server_and_fails_the_supervisor(tmp_p
     deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
     deadline.start()
     try:
-        for line in supervisor.stderr:
-            if "READY" in line:
-                break
-        else:
-            raise AssertionError("the supervisor never said READY")
+        read_until_ready(supervisor)
         # READY means the front answers too.
         assert procfs.http_json(f"http://127.0.0.1:{openai_port}/health", timeout=2) == {"status": "ok"}
         (front,) = [pid for pid in procfs.children(supervisor.pid) if "openai_front" in cmdline(pid)]
@@ -390,11 +394,7 @@ def test_stop_waits_that_are_not_whole_seconds_still_stop_everything(tmp_path):
     deadline = threading.Timer(60, os.killpg, (supervisor.pid, signal.SIGKILL))
     deadline.start()
     try:
-        for line in supervisor.stderr:
-            if "READY" in line:
-                break
-        else:
-            raise AssertionError("the supervisor never said READY")
+        read_until_ready(supervisor)
         supervisor.send_signal(signal.SIGTERM)
         rest = supervisor.stderr.read()
         status = supervisor.wait(timeout=30)
