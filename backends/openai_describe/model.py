@@ -25,8 +25,8 @@ import llm_span
 import triton_io as io
 from describer import NO_KEY_HELP, Cancelled, Describer, make_client
 from metrics import Metrics
-from scrubbing import Scrubber, shown_url
-from settings import ConfigError, RequestModels, parse_settings
+from scrubbing import Scrubber
+from settings import ConfigError, RequestModels, parse_settings, shown_url
 from stream_adapter import PhotoStreamAdapter, StreamAdapter
 
 # Without an API key a local endpoint still wants some bearer string.

@@ -8,7 +8,6 @@ photo's data URI too: it is masked as well, and so is any long base64 run.
 """
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 # Bearer tokens and the common provider key shapes, for keys we were not told about
 # (e.g. a proxy echoing a key of its own).
@@ -35,10 +34,3 @@ class Scrubber:
             text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + MASK, text)
         return text
 
-
-def shown_url(url):
-    """`url` as a log may show it: no user:password@ and no query (a gateway's
-    ?key= or ?token=), which scrub's patterns would not all catch."""
-    parts = urlsplit(str(url))
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))

@@ -19,8 +19,7 @@ import os
 import re
 import string
 from dataclasses import dataclass, field
-
-from scrubbing import shown_url
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_SYSTEM_PROMPT = (
     "You describe a photo. You get the top labels of an ImageNet image classifier with their "
@@ -352,3 +351,11 @@ def _validate(s):
                         f"available: {sorted(TEMPLATE_FIELDS)}")
     if problems:
         raise ConfigError("invalid describe settings: " + "; ".join(problems))
+
+
+def shown_url(url):
+    """`url` as a log or an error may show it: no user:password@ and no query (a
+    gateway's ?key= or ?token=), which the scrubber's patterns would not all catch."""
+    parts = urlsplit(str(url))
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
