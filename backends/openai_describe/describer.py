@@ -576,7 +576,7 @@ class _BoundedBody(httpx2.AsyncByteStream):
 def _bound_body(limit):
     async def hook(response):  # before the body is read (httpx response event hook)
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
+        if encoding not in ("", "identity"):
             # Asked for identity (make_client): a compressed body would be inflated past the
             # limit, which counts the bytes as they come (688 KB of gzip inflate to 670 MB).
             await response.aclose()

@@ -16,8 +16,9 @@ IMAGE_REFUSED = "image_refused_by_upstream"
 # images and a phrase of refusal: "You uploaded an unsupported image" or "Image exceeds max size" is
 # about this photo, and read as a refusal it would turn vision off for every request for a while.
 _IMAGE_WORDS = ("image", "multimodal", "vision")
-_REFUSAL_PHRASES = ("not support", "only supported", "not a multimodal", "unknown variant", "at most 0",
-                    "not enabled", "not available for this model")
+_REFUSAL_PHRASES = ("not support", "n't support", "only supported", "not a multimodal", "not multimodal",
+                    "not a vision", "unknown variant", "unsupported content type", "at most 0",
+                    "missing data required for image input", "not enabled", "not available for this model")
 
 
 def refuses_image(status, body, message):

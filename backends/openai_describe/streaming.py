@@ -70,11 +70,13 @@ class StreamedAnswer:
                 failure, finish_reason = ANSWER_TOO_LONG, "length"
             ended = failure is None
         finally:
-            # Closing the response closes its connection: the upstream stops generating (and billing).
-            await _close(stream)
-            self._settle(ended)
-            c.release_slot()
-            c.usage.upstream_latency_ms += (c.clock() - read_from) * 1000.0
+            try:
+                # Closing the response closes its connection: the upstream stops generating (and billing).
+                await _close(stream)
+            finally:  # a cancellation while it closes must not keep the slot or skip the bill
+                self._settle(ended)
+                c.release_slot()
+                c.usage.upstream_latency_ms += (c.clock() - read_from) * 1000.0
         return "".join(parts), finish_reason, failure
 
     async def _read_rest(self, stream, parts, finish_reason):

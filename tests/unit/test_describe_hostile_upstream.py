@@ -167,6 +167,18 @@ def test_a_compressed_stream_is_refused_before_it_is_inflated():
     assert {headers["Accept-Encoding"] for headers in upstream.request_headers} == {"identity"}
 
 
+def test_an_empty_content_encoding_is_identity():
+    """As httpx reads it: an empty header names no encoding (refused, every stream would fail)."""
+    body = events(chunk("A tabby cat.", finish_reason="stop"))
+    empty = lambda: web.Response(body=body, headers={"Content-Type": "text/event-stream",  # noqa: E731
+                                                     "Content-Encoding": ""})
+
+    async def test(d, obs, log):
+        return await streamed(d)
+    chunks, result = run(test, Upstream(then=empty))
+    assert result.source == "llm" and "".join(chunks) == "A tabby cat."
+
+
 def test_a_whole_answer_asks_for_identity_too():
     upstream = Upstream()
     run(lambda d, obs, log: d.describe(job()), upstream)
@@ -252,6 +264,11 @@ def test_an_error_about_this_photo_is_not_a_model_that_takes_no_images():
         "At most 0 image(s) may be provided in one request.",
         "Failed to deserialize the JSON body into the target type: messages[0]: unknown variant `image_url`, "
         "expected `text`",
+        "this model is missing data required for image input",  # Ollama, a model without a vision projector
+        "The model doesn't support image input",
+        "model is not multimodal",
+        "Model llama3 is not a vision model",
+        "Unsupported content type: image_url",
     ]
     for message in no_images:
         assert refuses_image(400, {"error": {"message": message}}, message), message
