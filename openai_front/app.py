@@ -322,9 +322,7 @@ async def read_body(request, limit, first=None, min_rate=0):
         # passes through this block as a cancellation, and becomes its 408 there.
         if not pace.expired():
             raise
-        raise FrontError(408, f"the request body came slower than {min_rate} bytes a second after its "
-                              f"first {BODY_RATE_GRACE_S:g} s (OPENAI_FRONT_MIN_BODY_RATE)",
-                         code="request_timeout") from None
+        raise too_slow(min_rate) from None
     if small:
         pieces.append(bytes(small))
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -336,16 +334,19 @@ async def read_request(request):
     settings = request.app[SETTINGS]
     deadline = asyncio.timeout(settings.body_timeout_s)
     try:
-        async with deadline:
-            await expect_continue.send(request)
+        first = None
+        if not expect_continue.expected(request):
             # A body takes its slot once its first bytes are in: a connection that sent its head
-            # and nothing more holds none (16 of them held every slot for body_timeout_s). Until
-            # then aiohttp buffers what comes as for any connection: at most its read buffer.
-            first = await request.content.readchunk()
-        # A body waits its turn a little: a burst of bodies queues (a slot frees as soon as
-        # a body is in, milliseconds on a fast link), a flood of them is refused.
+            # and nothing more holds none (16 of them held every slot for body_timeout_s), and
+            # with a pace it must start within its grace second, as it must go on at the pace
+            # (it holds its admission meanwhile). A client that waits for 100 Continue sends
+            # nothing before it: it is asked with a slot held (refused before its body is sent),
+            # and read_body's pace covers its first bytes.
+            async with deadline:
+                first = await _body_start(request, settings.min_body_rate)
         async with request.app[BODIES].slot(wait_s=min(BODY_SLOT_WAIT_S, settings.body_timeout_s)):
-            async with asyncio.timeout_at(deadline.when()):
+            async with asyncio.timeout_at(deadline.when()):  # set when made: the same deadline either way
+                await expect_continue.send(request)
                 raw = await read_body(request, max_body_bytes(settings), first, settings.min_body_rate)
             access_log.note(request, bytes_in=len(raw))
             if len(raw) > OFFLOAD_BYTES:
@@ -354,6 +355,22 @@ async def read_request(request):
     except TimeoutError:
         raise FrontError(408, f"the request body did not arrive within {settings.body_timeout_s:g} s "
                               "(OPENAI_FRONT_BODY_TIMEOUT_S)", code="request_timeout") from None
+
+
+async def _body_start(request, min_rate):
+    """The body's first readchunk(); with a pace, 408 when nothing came within its grace second."""
+    if not min_rate:
+        return await request.content.readchunk()
+    try:
+        async with asyncio.timeout(BODY_RATE_GRACE_S):
+            return await request.content.readchunk()
+    except TimeoutError:
+        raise too_slow(min_rate) from None
+
+
+def too_slow(min_rate):
+    return FrontError(408, f"the request body came slower than {min_rate} bytes a second after its "
+                           f"first {BODY_RATE_GRACE_S:g} s (OPENAI_FRONT_MIN_BODY_RATE)", code="request_timeout")
 
 
 def _model(settings, model_id):

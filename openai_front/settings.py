@@ -37,9 +37,10 @@ run on its own.
                                        (408 and the connection closed after it), so
                                        slow or stalled senders cannot hold the body slots
   OPENAI_FRONT_MIN_BODY_RATE=32768    bytes a second a body must keep up, on average,
-                                       from its first second on (408 and closed
-                                       below it); a body takes its slot only
-                                       once its first bytes are in (0: no pace)
+                                       from its first second on, and start within
+                                       it (408 and closed otherwise); a body takes
+                                       its slot only once its first bytes are in
+                                       (0: no pace)
   OPENAI_FRONT_MAX_FETCHES_IN_FLIGHT=8  allowlisted image URLs fetched at once;
                                        more are refused (503, Retry-After)
   OPENAI_FRONT_DRAIN_S=5               at shutdown (TERM): open streams end at once

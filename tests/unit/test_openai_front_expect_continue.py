@@ -356,3 +356,32 @@ def test_the_openai_sdk_with_the_expect_header_is_refused_without_sending_its_bo
     assert sent_refused < 4096, f"the refused SDK sent {sent_refused} bytes: its body went too"
     assert sent_plain > 150_000
     assert answer.choices[0].message.content
+
+
+def test_a_client_that_waits_is_refused_a_body_slot_before_100_continue():
+    """Every body slot taken (here the one, by a body that trickles): a client waiting for
+    100 Continue is asked for its body only with a slot held, so the body-slot 503 comes to
+    its headers alone and the photo is never sent."""
+    pool = StalledPool()
+    app = front_with(pool, max_bodies_in_flight=1, min_body_rate=0, body_timeout_s=5)
+
+    def client(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall(head())
+            answer_head, answer = first_answer(sock)
+            return answer_head.split(b"\r\n", 1)[0], answer
+
+    async def main():
+        async with await serving(app) as server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(head(expect=None) + PAYLOAD[:10])  # holds the one body slot
+            await writer.drain()
+            await until(lambda: app[front_app.BODIES].now == 1, "the trickle holds the body slot")
+            try:
+                return await in_thread(client, server.port)
+            finally:
+                writer.close()
+
+    status_line, answer = asyncio.run(main())
+    assert status_line == b"HTTP/1.1 503 Service Unavailable", "refused before any 100 Continue"
+    assert b"OPENAI_FRONT_MAX_BODIES_IN_FLIGHT" in answer

@@ -328,8 +328,9 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot():
 def test_connections_that_send_only_their_head_hold_no_body_slot():
     """A body took its slot before its first byte: 16 connections sending a head and
     nothing more held every slot for OPENAI_FRONT_BODY_TIMEOUT_S, and every other
-    chat request waited BODY_SLOT_WAIT_S for one and was refused. Now they hold none
-    (each still ends at the body timeout), and a valid request beside them is served."""
+    chat request waited BODY_SLOT_WAIT_S for one and was refused. Now they hold none,
+    a valid request beside them is served, and each ends after the pace's grace second
+    (its admission, OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT's, held that long only)."""
     pool = StalledPool()
     app = front_with(pool, max_bodies_in_flight=1, body_timeout_s=5)
 
@@ -343,13 +344,15 @@ def test_connections_that_send_only_their_head_hold_no_body_slot():
             started = time.monotonic()
             await valid_request_is_served(server.port, pool)
             served_s = time.monotonic() - started
-            statuses = [status for status, _, _ in await asyncio.gather(*heads_only)]
-            return held, served_s, statuses
+            return held, served_s, await asyncio.gather(*heads_only)
 
-    held, served_s, statuses = asyncio.run(main())
+    held, served_s, answers = asyncio.run(main())
     assert held == 0, "a head without a body holds no body slot"
     assert served_s < front_app.BODY_SLOT_WAIT_S, "served at once, not after waiting for a slot"
-    assert statuses == [408] * 3
+    # Nor its admission for long: a body must start within the pace's grace second.
+    assert [status for status, _, _ in answers] == [408] * 3
+    assert all(b"OPENAI_FRONT_MIN_BODY_RATE" in sent for _, sent, _ in answers)
+    assert all(front_app.BODY_RATE_GRACE_S * 0.9 < answered_s < 4 for _, _, answered_s in answers), answers
 
 
 def test_a_body_that_falls_behind_the_minimum_rate_is_408_after_its_grace_and_frees_its_slot():
