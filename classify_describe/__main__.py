@@ -60,16 +60,17 @@ def parse_args(argv):
     args.url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     try:
         args.inference_key = inference_key(os.environ)
-    except OSError as error:
-        parser.error(f"TRITON_INFERENCE_KEY_FILE: cannot read {error.filename}: {error.strerror}")
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"TRITON_INFERENCE_KEY_FILE: cannot read it as text ({type(error).__name__})")
     return args
 
 
 def inference_key(environ):
-    """The key from the file TRITON_INFERENCE_KEY_FILE names, else TRITON_INFERENCE_KEY, else None."""
-    path = environ.get("TRITON_INFERENCE_KEY_FILE")
-    if path:
-        return pathlib.Path(path).read_text()  # the client strips its newline
+    """As the supervisor reads its own: the key in the file TRITON_INFERENCE_KEY_FILE names when
+    that path exists, else TRITON_INFERENCE_KEY, else None."""
+    path = pathlib.Path(environ.get("TRITON_INFERENCE_KEY_FILE") or "/nonexistent")
+    if environ.get("TRITON_INFERENCE_KEY_FILE") and path.exists():
+        return path.read_text()  # the client strips its newline
     return environ.get("TRITON_INFERENCE_KEY") or None
 
 

@@ -382,9 +382,9 @@ def _retry_after_s(value):
     try:
         seconds = float(value)
     except ValueError:
-        try:
+        try:  # a year past datetime's (9999) is an OverflowError
             seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
     return max(0.0, seconds) if math.isfinite(seconds) else None
 

@@ -117,8 +117,10 @@ for name, default, positive in (("OPENAI_FRONT_DRAIN_S", "5", True), ("FRONT_STO
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (0 < value if positive else 0 <= value) or not value < math.inf:
-        sys.exit(f"serve: {name}={raw!r} must be a {'positive' if positive else 'non-negative'} number of seconds")
+    # At most a day: bash's integers wrap past 2**63 (a 1e19 would be a negative wait, a kill at once).
+    if not (0 < value if positive else 0 <= value) or not value <= 86400:
+        sys.exit(f"serve: {name}={raw!r} must be a {'positive' if positive else 'non-negative'} number of seconds, "
+                 "at most 86400")
     waits.append(str(math.ceil(value)))
 print(*waits)
 PY

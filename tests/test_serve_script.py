@@ -380,6 +380,7 @@ def test_the_readiness_check_goes_direct_with_a_proxy_set(tmp_path):
     ({"OPENAI_FRONT_DRAIN_S": "0"}, "OPENAI_FRONT_DRAIN_S='0' must be a positive number of seconds"),
     ({"FRONT_STOP_GRACE_S": "-1"}, "FRONT_STOP_GRACE_S='-1' must be a non-negative number of seconds"),
     ({"STREAMS_STOP_S": "inf"}, "STREAMS_STOP_S='inf' must be a non-negative number of seconds"),
+    ({"OPENAI_FRONT_DRAIN_S": "1e19"}, "OPENAI_FRONT_DRAIN_S='1e19' must be a positive number of seconds, at most 86400"),
 ])
 def test_bad_stop_waits_stop_the_start_with_the_reason(tmp_path, env, says):
     status, stderr, args = run_with_args_dump(tmp_path, **env)

@@ -301,7 +301,18 @@ def test_the_cli_sends_the_inference_key_the_supervisor_reads(monkeypatch, tmp_p
             with pytest.raises(ConnectionError):
                 cli.main([*mode, str(image)])
             assert passed.pop() == expected, (environ, mode)
+    # A file that is not there counts as unset, as in the supervisor; one that is not text stops the command.
+    monkeypatch.setenv("TRITON_INFERENCE_KEY", "from-the-variable")
     monkeypatch.setenv("TRITON_INFERENCE_KEY_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ConnectionError):
+        cli.main([str(image)])
+    assert passed.pop() == "from-the-variable"
+    key_file.write_bytes(b"\xff\xfe not text")
+    monkeypatch.setenv("TRITON_INFERENCE_KEY_FILE", str(key_file))
     with pytest.raises(SystemExit) as exit_:
         cli.main([str(image)])
     assert exit_.value.code == cli.EXIT_USAGE
+
+
+def test_a_retry_after_date_past_every_calendar_is_no_wait_not_an_error():
+    assert client_module._retry_after_s("Fri, 31 Dec 99999999999999999999 23:59:59 GMT") is None
