@@ -68,9 +68,9 @@ def parse_args(argv):
 def inference_key(environ):
     """As the supervisor reads its own: the key in the file TRITON_INFERENCE_KEY_FILE names when
     that path exists, else TRITON_INFERENCE_KEY, else None."""
-    path = pathlib.Path(environ.get("TRITON_INFERENCE_KEY_FILE") or "/nonexistent")
-    if environ.get("TRITON_INFERENCE_KEY_FILE") and path.exists():
-        return path.read_text()  # the client strips its newline
+    path = environ.get("TRITON_INFERENCE_KEY_FILE")
+    if path and pathlib.Path(path).exists():
+        return pathlib.Path(path).read_text()  # the client strips its newline
     return environ.get("TRITON_INFERENCE_KEY") or None
 
 

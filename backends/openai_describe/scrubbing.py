@@ -33,4 +33,3 @@ class Scrubber:
         for pattern in _PATTERNS:
             text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + MASK, text)
         return text
-

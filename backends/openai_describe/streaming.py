@@ -46,8 +46,9 @@ class StreamedAnswer:
                 if chunk is None:
                     raise MalformedResponse("the stream ended without text")
                 self._note_usage(chunk)
-                self.read_chars += len(_delta_text(chunk))
-                text = _delta_text(chunk).lstrip()
+                text = _delta_text(chunk)
+                self.read_chars += len(text)
+                text = text.lstrip()
                 if text:
                     return text, stream, finish_reason_of(chunk)
         except BaseException:
