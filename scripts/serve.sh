@@ -10,9 +10,10 @@
 #                         APIs stay restricted, see below)
 #   MODEL_REPOSITORY=model_repository
 #   READY_TIMEOUT=300 (seconds)          TRITON_EXTRA_ARGS="--log-verbose=1 ..."
-#   CPU_SLOTS=$(nproc)+1  decodes and forward passes that run at once (Triton's rate
-#                         limiter, resource "cpu"; one more than the cores, as the
-#                         instances of classify_with_view; docs/reliability.md#overload)
+#   CPU_CORES=<n>         the cores the instances, threads and rate-limiter slots are sized
+#                         for (default: this process's CPU affinity, capped by its cgroup's
+#                         quota: `taskset -c 0,1 make run` serves 2); CPU_LAYOUT=0 serves the
+#                         configs as written (serving/layout.py, docs/scaling.md#cpu-layout)
 #   LLM_BASE_URL, LLM_MODEL, LLM_API_KEY, LLM_API_KEY_FILE: see docs/llm-endpoints.md
 #   TRITON_ADMIN_KEY=... or TRITON_ADMIN_KEY_FILE=<file>: the key that model
 #                         control, the repository index, shared memory, logging and
@@ -84,7 +85,6 @@ args=(
   --http-address="$LISTEN_ADDRESS" --grpc-address="$LISTEN_ADDRESS" --metrics-address="$LISTEN_ADDRESS"
   --model-control-mode=explicit --load-model='*'
   --exit-timeout-secs=30
-  --rate-limit=execution_count --rate-limit-resource="cpu:${CPU_SLOTS:-$(( $(nproc) + 1 ))}"
   ${TRITON_EXTRA_ARGS:-}
 )
 # The supervisor restricts the control APIs; a key it generates goes here

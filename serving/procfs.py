@@ -55,7 +55,7 @@ STUB_NAME = "triton_python_backend_stub"
 INSTANCE_ARG = 8  # argv index of the instance name in the stub's command line
 # Instance stubs are named <model>_<group>_<instance>. A stub named after the
 # model alone only checks the config during a load and exits by design.
-INSTANCE_RE = re.compile(r"^(.+)_\d+_\d+$")
+INSTANCE_RE = re.compile(r"^(.+)_(\d+)_(\d+)$")
 
 
 def process_state(pid):
@@ -95,6 +95,12 @@ def stub_instance(pid):
 
 def model_of(instance):
     return INSTANCE_RE.match(instance).group(1)  # a model name may itself contain "_"
+
+
+def instance_index(instance):
+    """(group, instance) numbers of `<model>_<group>_<instance>`."""
+    match = INSTANCE_RE.match(instance)
+    return int(match.group(2)), int(match.group(3))
 
 
 def tritonserver_pid(root_pid):

@@ -39,7 +39,7 @@ import sys
 import time
 import urllib.error
 
-from serving.procfs import children, http_json, model_of, process_state, stub_instance
+from serving.procfs import children, http_json, instance_index, model_of, process_state, stub_instance
 
 # What a call to the server can raise when it is busy, stopping or restarting
 # (an answer cut short is an http.client.HTTPException, not an OSError).
@@ -63,9 +63,20 @@ class Server:
         return {m["name"] for m in self.call("/v2/repository/index", {}, timeout_s=10) or []
                 if m.get("state") == "READY"}
 
+    def instance_counts(self, model):
+        """The count of each of the model's instance groups, as it is served now."""
+        config = self.call(f"/v2/models/{model}/config", timeout_s=10) or {}
+        return [group.get("count", 1) for group in config.get("instance_group") or []]
+
     def reload(self, model):
         config = self.call(f"/v2/models/{model}/config", timeout_s=10)
         self.call(f"/v2/repository/models/{model}/load", {"parameters": {"config": json.dumps(config)}})
+
+
+def retained(instance, counts):
+    """Whether the served groups `counts` still have the instance `<model>_<group>_<instance>`."""
+    group, index = instance_index(instance)
+    return group < len(counts) and index < counts[group]
 
 
 class Watchdog:
@@ -104,9 +115,17 @@ class Watchdog:
             return []
         reloaded = []
         for model in sorted({model_of(instance) for _, instance in dead}):
-            pids = [pid for pid, instance in dead if model_of(instance) == model]
             if model not in ready:
                 continue  # unloaded or being reloaded on purpose
+            try:
+                counts = self.server.instance_counts(model)
+            except SERVER_ERRORS:
+                counts = None  # the reload below finds out
+            # A reload with fewer instances (serving/layout.py's, or an operator's) retires the rest.
+            pids = [pid for pid, instance in dead if model_of(instance) == model
+                    and (counts is None or retained(instance, counts))]
+            if not pids:
+                continue
             log(f"stub process(es) {pids} of model '{model}' died; Triton still reports it ready "
                 f"but cannot serve it: reloading '{model}'")
             started = time.monotonic()

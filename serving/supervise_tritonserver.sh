@@ -274,6 +274,20 @@ else
   unset OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
 fi
 
+# -- the CPU layout (serving/layout.py) ----------------------------------------
+# Instances, threads and "cpu" slots from the cores this server is given (CPU_CORES, else the
+# CPU affinity capped by the cgroup's quota). The rate limiter's slots go on the command line
+# unless the caller set --rate-limit itself; once the server is ready the sized models are
+# reloaded as the rule says (before READY). CPU_LAYOUT=0 serves the configs as written; so does
+# a --model-config-name (the GPU layout), which the rule does not size.
+apply_layout=0
+if [[ "${CPU_LAYOUT:-1}" != "0" ]] && ! [[ " ${*:2}" == *" --model-config-name="* ]]; then
+  layout_args="$(PYTHONPATH="$(dirname "$here")" python3 -m serving.layout server-args)" || exit 1
+  # shellcheck disable=SC2206  # the flags are words without spaces
+  [[ " ${*:2}" == *" --rate-limit="* ]] || set -- "$@" $layout_args
+  apply_layout=1
+fi
+
 # Where the supervisor tells the streaming models that the server is stopping.
 export TRITON_STOPPING_FILE="${TMPDIR:-/tmp}/triton-stopping.$$"
 rm -f "$TRITON_STOPPING_FILE"
@@ -310,10 +324,11 @@ if [[ "${OPENAI_FRONT:-1}" != "0" ]]; then
   front_health="http://$http_host:${OPENAI_PORT:-8003}/health"
 fi
 
-# READY once the server is ready and the front (if any) answers.
-python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" "$where" "${front_health:-}" <<'PY' &
+# READY once the server is ready, runs the CPU layout, and the front (if any) answers.
+TRITON_ADMIN_KEY="$admin_key" PYTHONPATH="$(dirname "$here")" \
+python3 - "$http_host" "$http_port" "${READY_TIMEOUT:-300}" "$server_pid" "$where" "${front_health:-}" "$apply_layout" <<'PY' &
 import os, sys, time, urllib.request
-host, http, timeout, pid, where, front_health = sys.argv[1:]
+host, http, timeout, pid, where, front_health, apply_layout = sys.argv[1:]
 urls = [f"http://{host}:{http}/v2/health/ready"] + ([front_health] if front_health else [])
 deadline = time.monotonic() + float(timeout)
 direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a pod's http_proxy
@@ -327,6 +342,16 @@ while time.monotonic() < deadline:
             with direct.open(urls[0], timeout=2) as r:
                 if r.status != 200:
                     break
+            if apply_layout == "1" and urls[0].endswith("/v2/health/ready"):
+                from serving import layout
+                chosen = layout.host_layout()
+                print(f"serve: CPU layout for {chosen.cores} core(s) ({chosen.source}): "
+                      + ", ".join(f"{name} {model.count}" for name, model in chosen.models().items())
+                      + f" instances, {chosen.cpu_slots} 'cpu' slots", file=sys.stderr, flush=True)
+                layout.apply(chosen, f"{host}:{http}", os.environ.get("TRITON_ADMIN_KEY"),
+                             log=lambda line: print(f"serve: {line}", file=sys.stderr, flush=True))
+                apply_layout = "0"
+                continue  # ready again after the reloads
             urls.pop(0)
         if not urls:
             print(f"\nserve: READY  {where}  (Ctrl-C or TERM stops)\n", file=sys.stderr, flush=True)

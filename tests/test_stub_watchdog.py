@@ -29,14 +29,17 @@ STAND_IN = ('exec -a /opt/tritonserver/backends/python/triton_python_backend_stu
 class FlakyServer:
     """The repository API, failing the first `failures` index reads with `error`."""
 
-    def __init__(self, failures=0, error=None):
-        self.failures, self.error, self.reloaded = failures, error, []
+    def __init__(self, failures=0, error=None, counts=(1,)):
+        self.failures, self.error, self.reloaded, self.counts = failures, error, [], list(counts)
 
     def ready_models(self):
         if self.failures:
             self.failures -= 1
             raise self.error
         return {"detect"}
+
+    def instance_counts(self, model):
+        return self.counts
 
     def reload(self, model):
         self.reloaded.append(model)
@@ -76,6 +79,23 @@ def test_a_dead_stub_gets_its_model_reloaded(server_with_stub):
     assert dog.poll() == [] and dog.known == {stub: "detect_0_0"}
     kill_and_reap(server, stub)
     assert dog.poll() == ["detect"] and api.reloaded == ["detect"]
+
+
+def test_an_instance_retired_by_a_reload_with_fewer_instances_is_not_a_death(server_with_stub):
+    # detect_0_0 gone after a reload that left group 0 without an instance 0: retired, not dead.
+    server, stub = server_with_stub
+    api = FlakyServer(counts=(0,))
+    dog = watchdog_module.Watchdog(server.pid, api)
+    dog.poll()
+    kill_and_reap(server, stub)
+    assert dog.poll() == [] and api.reloaded == []
+
+
+def test_which_instances_a_served_layout_keeps():
+    assert watchdog_module.retained("classify_with_view_0_2", [3])
+    assert not watchdog_module.retained("classify_with_view_0_2", [2])
+    assert not watchdog_module.retained("classify_with_view_1_0", [3])
+    assert watchdog_module.retained("a_b_1_0", [1, 1])
 
 
 def test_an_answer_cut_short_is_retried_at_the_next_look(server_with_stub):

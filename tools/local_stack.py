@@ -149,6 +149,7 @@ class TritonServer:
                           "TRITON_ADMIN_KEY_GENERATED_FILE": str(self.workdir / "admin-key"), **(env or {})}
         self.command_prefix = list(command_prefix)
         self.process = None
+        self._log_start = 0  # where this start's part of the log begins
 
     @property
     def env(self):
@@ -204,6 +205,7 @@ class TritonServer:
         if log_path is not None:
             self.log_path = pathlib.Path(log_path)
         started = time.monotonic()
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen([*self.command_prefix, str(SERVE_SH)], cwd=REPO,
                                             env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -213,11 +215,12 @@ class TritonServer:
         return None
 
     def wait_ready(self, deadline=None):
-        """Until /v2/health/ready answers 200. A server that exits or misses
-        the deadline is stopped, so no caller leaves one running."""
+        """Until /v2/health/ready answers 200 and the supervisor has said READY (after the CPU
+        layout's reloads). A server that exits or misses the deadline is stopped, so no caller
+        leaves one running."""
         if deadline is None:
             deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self.is_ready():
+        while not (self.is_ready() and self.said_ready()):
             if self.process.poll() is not None:
                 raise NotReady(f"tritonserver exited with {self.process.returncode} (log {self.log_path}):\n"
                                f"{log_tail(self.log_path)}")
@@ -226,6 +229,12 @@ class TritonServer:
                 raise NotReady(f"tritonserver on {self.http_url} not ready in time (log {self.log_path}):\n"
                                f"{log_tail(self.log_path)}")
             time.sleep(0.25)
+
+    def said_ready(self):
+        """Whether this start's log holds the supervisor's READY line."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            return b"serve: READY" in log.read()
 
     def is_ready(self):
         try:
