@@ -628,19 +628,22 @@ def test_the_gpu_config_names_the_tensors_of_its_onnx_file():
             assert isinstance(shape[0], str) and shape[1:] == list(tensor.dims), (tensor.name, shape)
 
 
-def test_cpu_slots_of_the_rate_limiter_match_the_cpu_request():
-    """On CPU, decodes and forward passes share the pod's CPUs through Triton's
-    rate limiter (docs/reliability.md#overload): the "cpu" count given to the
-    server must be one more than the CPU the pod gets, as classify_with_view's
-    instances (serve.sh: nproc + 1). On GPU the classifier needs no CPU slot,
-    so the GPU overlay leaves the rate limiter off."""
-    cpu = server_container(render(DEPLOY / "overlays" / "cpu"))
-    assert flag(cpu["args"], "rate-limit") == "execution_count"
-    assert flag(cpu["args"], "rate-limit-resource") == f"cpu:{int(cpu['resources']['requests']['cpu']) + 1}"
-    gpu = server_container(render(DEPLOY / "overlays" / "gpu"))
-    assert not any(a.startswith("--rate-limit") for a in gpu["args"])
+def test_the_cpu_layout_follows_the_containers_cpu_limit():
+    """On CPU the supervisor sizes instances and the rate limiter's "cpu" slots from CPU_CORES
+    (serving/layout.py): every CPU container passes its own CPU limit there, and no fixed
+    --rate-limit flag that would stop following it. The GPU overlay names its configs
+    (--model-config-name=gpu), which the supervisor leaves as written."""
     runtime = by_kind(load_docs(DEPLOY / "kserve/servingruntime.yaml"), "ServingRuntime")["spec"]["containers"][0]
-    assert flag(runtime["args"], "rate-limit-resource") == f"cpu:{int(runtime['resources']['requests']['cpu']) + 1}"
+    for container in (server_container(render(DEPLOY / "overlays" / "cpu")), runtime):
+        env = {e["name"]: e for e in container.get("env", [])}
+        field = env["CPU_CORES"]["valueFrom"]["resourceFieldRef"]
+        assert field == {"containerName": container["name"], "resource": "limits.cpu", "divisor": "1"}
+        assert container["resources"]["limits"]["cpu"] == container["resources"]["requests"]["cpu"]
+        assert not any(a.startswith("--rate-limit") for a in container["args"]), container["name"]
+        assert not any(a.startswith("--model-config-name") for a in container["args"])
+    gpu = server_container(render(DEPLOY / "overlays" / "gpu"))
+    assert flag(gpu["args"], "model-config-name") == "gpu"
+    assert not any(a.startswith("--rate-limit") for a in gpu["args"])
 
 
 # -- inference key and NetworkPolicy ---------------------------------------------
