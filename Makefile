@@ -56,6 +56,8 @@ help:
 	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
 	@echo "make bench-openai   the OpenAI front's added latency and throughput vs direct gRPC (~3 min)"
 	@echo "make bench-cpu      CPU per request by process and step vs in-process (~4 min; BENCH_CPU_ARGS=--compare K=V for an A/B)"
+	@echo "make bench-scaling  throughput and memory per instance on 1 and 2 cores (taskset) vs in-process (~4 min)"
+	@echo "make bench-idle     why a saturated server leaves cores idle: /proc/stat and a perf sched trace (~5 min)"
 	@echo "make bench-lone     a lone request's time by step, from Triton's trace at concurrency 1 (~1 min)"
 	@echo "make bench-stream   streaming benchmarks -> docs/benchmarks-streaming.md (~3 min)"
 	@echo "make soak           10-minute soak with faults and hostile input (SOAK_ARGS=...)"
@@ -157,10 +159,10 @@ $(BENTOML_DIR)/.installed: versions.env requirements-bentoml.txt scripts/install
 docker-build:
 	docker build --build-arg TRITON_IMAGE=$(TRITON_IMAGE) -t $(IMAGE_NAME) .
 
-# Every LLM_*, OPENAI_FRONT_* and TRITON_TRACE_* variable that is set goes in by name only
+# Every LLM_*, OPENAI_FRONT_*, TRITON_TRACE_* and CPU_* variable that is set goes in by name only
 # (-e NAME: docker reads the value), so no key shows in make's output or in argv; not
 # the *_FILE ones, paths on this host that the container cannot read.
-DOCKER_ENV = $(sort $(foreach v,$(filter LLM_% OPENAI_FRONT_% TRITON_TRACE_%,$(.VARIABLES)),\
+DOCKER_ENV = $(sort $(foreach v,$(filter LLM_% OPENAI_FRONT_% TRITON_TRACE_% CPU_%,$(.VARIABLES)),\
   $(if $(filter environment% command%,$(origin $v)),$(if $(filter %_FILE,$v),,$v))) \
   TRITON_ADMIN_KEY TRITON_INFERENCE_KEY)
 
@@ -202,14 +204,22 @@ bench-openai: build
 
 # Where the CPU goes (docs/benchmarks-method.md#where-the-cpu-goes): CPU ms per request by process
 # (/proc) and by step (perf, where installed) for classify and the ensemble, against the in-process
-# decode + forward; BENCH_CPU_ARGS="--compare CPU_SLOTS=3" measures a server setting side by side.
+# decode + forward; BENCH_CPU_ARGS="--compare CPU_CORES=3" measures a server setting side by side.
 .PHONY: bench-cpu
 bench-cpu: build perf-analyzer
 	$(PY) -m tools.bench.cpu_profile --rounds 3 --seconds 10 --concurrency 8 --results $(BUILD)/bench/cpu/results.json $(BENCH_CPU_ARGS)
 
+# Throughput and memory as the cores grow (tools/bench/scaling.py): classify and the ensemble served
+# on the first N cores (taskset; the server sizes its layout for them) beside the in-process limit on
+# the same cores, and PSS per instance; about 2 minutes per core count.
+#   make bench-scaling BENCH_SCALING_ARGS="--cores 1,2,4,8,16"   (on a host with 16 cores)
+.PHONY: bench-scaling
+bench-scaling: build perf-analyzer
+	$(PY) -m tools.bench.scaling --results $(BUILD)/bench/scaling.json $(BENCH_SCALING_ARGS)
+
 # Why a saturated server leaves cores idle (tools/bench/idle_cores.py): /proc/stat's idle share under
 # perf_analyzer beside the in-process loop's, and a perf sched trace of what waited on another core
-# while one sat idle; about 5 minutes.   make bench-idle BENCH_IDLE_ARGS="--env CPU_SLOTS=2"
+# while one sat idle; about 5 minutes.   make bench-idle BENCH_IDLE_ARGS="--env CPU_CORES=1"
 .PHONY: bench-idle
 bench-idle: build perf-analyzer
 	$(PY) -m tools.bench.idle_cores --results $(BUILD)/bench/idle-cores.json $(BENCH_IDLE_ARGS)

@@ -20,6 +20,7 @@ Standard library only: the supervisor runs it with whatever python3 the image ha
 """
 
 import argparse
+import collections
 import copy
 import dataclasses
 import json
@@ -27,9 +28,10 @@ import math
 import os
 import pathlib
 import sys
+import time
 import urllib.error
 
-from serving.procfs import http_json
+from serving.procfs import children, http_json, model_of, process_state, stub_instance
 
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup")
 
@@ -142,10 +144,12 @@ def sized(config, model):
     return config
 
 
-def apply(layout, http_url, admin_key=None, log=print):
+def apply(layout, http_url, admin_key=None, log=print, server_pid=None, settle_s=60.0):
     """Reload each model the layout sizes whose served config differs from it; returns the names
     reloaded. A model that is not loaded is left alone; a reload that fails keeps the model as it
-    ran (Triton keeps the loaded version) and is reported."""
+    ran (Triton keeps the loaded version) and is reported. With `server_pid`, it returns once the
+    replaced instances' stubs have exited (at most `settle_s`): until then Triton 2.51 is still
+    unloading the old versions, and a request can fail "failed to find the requested model version"."""
     headers = {"admin-key": admin_key} if admin_key else {}
     reloaded = []
     for name, model in layout.models().items():
@@ -165,7 +169,21 @@ def apply(layout, http_url, admin_key=None, log=print):
         log(f"layout: '{name}' now runs {model.count} instance(s) (its config.pbtxt: "
             f"{served['instance_group'][0]['count']})")
         reloaded.append(name)
+    if server_pid is not None and reloaded:
+        settle(server_pid, {name: layout.models()[name].count for name in reloaded}, settle_s)
     return reloaded
+
+
+def settle(server_pid, counts, timeout_s):
+    """Until tritonserver `server_pid` has exactly counts[model] live stubs of each model."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = collections.Counter(model_of(instance) for pid in children(server_pid)
+                                   if process_state(pid) not in (None, "Z") and (instance := stub_instance(pid)))
+        if all(live[model] == count for model, count in counts.items()):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def main(argv=None):

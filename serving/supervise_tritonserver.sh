@@ -348,7 +348,7 @@ while time.monotonic() < deadline:
                 print(f"serve: CPU layout for {chosen.cores} core(s) ({chosen.source}): "
                       + ", ".join(f"{name} {model.count}" for name, model in chosen.models().items())
                       + f" instances, {chosen.cpu_slots} 'cpu' slots", file=sys.stderr, flush=True)
-                layout.apply(chosen, f"{host}:{http}", os.environ.get("TRITON_ADMIN_KEY"),
+                layout.apply(chosen, f"{host}:{http}", os.environ.get("TRITON_ADMIN_KEY"), server_pid=int(pid),
                              log=lambda line: print(f"serve: {line}", file=sys.stderr, flush=True))
                 apply_layout = "0"
                 continue  # ready again after the reloads

@@ -19,7 +19,7 @@ def test_docker_run_passes_every_llm_front_and_trace_setting_by_name_only(tmp_pa
     settings = {"LLM_BASE_URL": "http://ollama:11434/v1", "LLM_MODEL": "llava", "LLM_API_KEY": "sk-DO-NOT-SHOW-1",
                 "LLM_API_KEY_REQUIRED": "false", "LLM_VISION": "off", "OPENAI_FRONT_API_KEY": "sk-DO-NOT-SHOW-2",
                 "OPENAI_FRONT_DRAIN_S": "2.5", "TRITON_TRACE_OTLP_ENDPOINT": "http://collector:4318/v1/traces",
-                "LLM_API_KEY_FILE": "/home/me/key"}
+                "LLM_API_KEY_FILE": "/home/me/key", "CPU_CORES": "4"}
     run = subprocess.run(["make", "--no-print-directory", "docker-run", "LLM_TIMEOUT_S=20"], cwd=REPO,
                          capture_output=True, text=True, timeout=60,
                          env={"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_DOCKER_OUT": str(tmp_path / "out"),
@@ -34,5 +34,5 @@ def test_docker_run_passes_every_llm_front_and_trace_setting_by_name_only(tmp_pa
     assert seen["env"]["LLM_TIMEOUT_S"] == "20"
     for secret in ("sk-DO-NOT-SHOW-1", "sk-DO-NOT-SHOW-2"):
         assert secret not in run.stdout + run.stderr and secret not in " ".join(seen["argv"])
-    assert not {name for name in passed if name.startswith(("LLM_", "OPENAI_FRONT_", "TRITON_TRACE_"))} - wanted, \
+    assert not {name for name in passed if name.startswith(("LLM_", "OPENAI_FRONT_", "TRITON_TRACE_", "CPU_"))} - wanted, \
         "only variables that are set"
