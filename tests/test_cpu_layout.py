@@ -10,6 +10,7 @@ import sys
 import threading
 
 import pytest
+from stand_in_http import StandInHandler
 
 from serving import layout
 from tools import model_config
@@ -110,34 +111,24 @@ def test_a_config_the_rule_does_not_describe_is_left_alone():
     assert layout.sized(two_groups, layout.Layout(8).models()["classifier"]) is None
 
 
-class StandInTriton(http.server.BaseHTTPRequestHandler):
+class StandInTriton(StandInHandler):
     """GET /v2/models/<m>/config from its `configs` (404 otherwise); POST .../load records the
     override and the admin key, and fails for the models in `failing`."""
 
     def do_GET(self):
         name = self.path.split("/")[3]
         if name not in self.server.configs:
-            return self._answer(400, {"error": f"Request for unknown model: '{name}' is not found"})
-        self._answer(200, self.server.configs[name])
+            return self.answer(400, {"error": f"Request for unknown model: '{name}' is not found"})
+        self.answer(200, self.server.configs[name])
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         name = self.path.split("/")[4]
         self.server.loads.append((name, json.loads(body["parameters"]["config"]), self.headers.get("admin-key")))
         if name in self.server.failing:
-            return self._answer(400, {"error": "failed to load"})
+            return self.answer(400, {"error": "failed to load"})
         self.server.configs[name] = self.server.loads[-1][1]
-        self._answer(200, {})
-
-    def _answer(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, {})
 
 
 @pytest.fixture
