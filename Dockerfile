@@ -17,20 +17,21 @@ RUN set -a && . ./versions.env && set +a \
  && pip install --no-cache-dir -r requirements.txt \
  && pip download --no-cache-dir --no-deps --dest /tmp/downloads "timm==${TIMM_LABELS_VERSION}"
 
-# Our Python-based backends sit next to Triton's own python backend, where
-# `backend: "<name>"` finds them.
-COPY backends/ /opt/tritonserver/backends/
+# The backends' and the front's Triton-free package, installed as `make build` installs it
+# (its dependencies are requirements.txt's, above).
+COPY backends/pyproject.toml backends/
+COPY backends/classify_describe_server/ backends/classify_describe_server/
+RUN pip install --no-cache-dir --no-deps ./backends && rm -rf backends
+# Our Python-based backends (model.py, the Triton adapters) sit next to Triton's own
+# python backend, where `backend: "<name>"` finds them.
+COPY backends/image/ /opt/tritonserver/backends/image/
+COPY backends/openai_describe/ /opt/tritonserver/backends/openai_describe/
 COPY model_repository/ /models/
 # What ships besides: the supervisor and the stub watchdog (serving/, standard
 # library only); the classifier export and its GPU config run once at build time.
 COPY serving/ serving/
 # The OpenAI-compatible front the supervisor starts beside the server (port 8003).
 COPY openai_front/ openai_front/
-# Its error_contract.py links to the backends' one (one file for both sides of the
-# contract, docs/DESIGN.md#errors): ship that file where the link points.
-COPY backends/openai_describe/error_contract.py backends/openai_describe/
-# Its request_id.py too: the one rule for request ids, shared with the describe step.
-COPY backends/openai_describe/request_id.py backends/openai_describe/
 COPY scripts/export_classifier.py scripts/export_onnx.py scripts/make_gpu_config.py scripts/
 
 # The TorchScript file, labels and the ONNX files (fp32; int8 calibrated on photos that

@@ -25,7 +25,7 @@ CLASSIFIER_FILE := $(CLASSIFIER)/1/model.pt
 LABELS_FILE := $(CLASSIFIER)/labels.txt
 ONNX_FILES := $(CLASSIFIER)/1/model.onnx $(CLASSIFIER)/1/model.int8.onnx
 GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
-OUR_BACKENDS := $(notdir $(wildcard backends/*))
+OUR_BACKENDS := $(notdir $(patsubst %/model.py,%,$(wildcard backends/*/model.py)))
 PERF_DIR   := $(BUILD)/perf_analyzer
 LITELLM_DIR := $(BUILD)/litellm-venv
 BENTOML_DIR := $(BUILD)/bentoml-venv
@@ -40,6 +40,7 @@ IMAGE_NAME   ?= triton-classify-describe:latest
 VENV_STAMP    := $(VENV)/.installed
 TRITON_STAMP  := $(TRITON_DIR)/.installed
 BACKEND_STAMP := $(BACKEND_DIR)/.linked
+SERVER_PACKAGE_STAMP := $(VENV)/.server-package
 
 .PHONY: help build run test unit integration lint docker-build docker-run clean perf-analyzer
 
@@ -68,7 +69,7 @@ help:
 	@echo "make docker-build   image FROM $(TRITON_IMAGE) for GPU hosts"
 	@echo "make docker-run     run that image with --gpus all"
 
-build: $(VENV_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
+build: $(VENV_STAMP) $(SERVER_PACKAGE_STAMP) $(TRITON_STAMP) $(BACKEND_STAMP) $(CLASSIFIER_FILE) $(LABELS_FILE) $(ONNX_FILES) $(GPU_CONFIG)
 
 # torch first, from TORCH_INDEX_URL (versions.env: PyTorch's CPU-only wheels)
 # besides pip's usual indexes: torch==X matches X+cpu there, which pip ranks
@@ -82,6 +83,12 @@ $(VENV_STAMP): requirements.txt requirements-dev.txt versions.env scripts/check_
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX_URL),$(PY) -m pip install --quiet --no-deps --extra-index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION))
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# The backends' and the front's Triton-free package (backends/classify_describe_server),
+# editable: a change to it needs no reinstall. Its dependencies are requirements.txt's pins.
+$(SERVER_PACKAGE_STAMP): backends/pyproject.toml | $(VENV_STAMP)
+	$(PY) -m pip install --quiet --no-deps --editable ./backends
 	touch $@
 
 # The server binary, its Python backend and stubs come from the nvidia-pytriton

@@ -17,8 +17,7 @@ import logging
 import time
 
 from aiohttp import web
-
-from . import request_id
+from classify_describe_server import request_id
 
 log = logging.getLogger("openai_front.access")
 NOTES = web.RequestKey("access_log", dict)  # what only the handler knows: model, stream, bytes_in

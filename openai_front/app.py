@@ -11,8 +11,9 @@ import time
 
 import orjson
 from aiohttp import web
+from classify_describe_server import request_id
 
-from . import access_log, chat, expect_continue, fetch, request_id, responses, trace_context
+from . import access_log, chat, expect_continue, fetch, responses, trace_context
 from .errors import FrontError, invalid, too_large, unavailable
 from .metrics import Metrics
 from .shedding import Admission, ImageBytes, discard_refused_bodies

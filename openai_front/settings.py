@@ -59,14 +59,12 @@ run on its own.
 import dataclasses
 import os
 
+from classify_describe_server.config import ConfigError
+
 from .chat import MAX_PROMPT_CHARS
 
 # The model ids clients may ask for, and the ensembles behind them.
 MODELS = {"classify_and_describe": ("classify_and_describe", "classify_and_describe_stream")}
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says which and why."""
 
 
 @dataclasses.dataclass(frozen=True)

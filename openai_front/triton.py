@@ -12,11 +12,11 @@ import re
 
 import grpc
 import tritonclient.grpc.aio as grpcclient
+from classify_describe_server import error_contract as contract
 from tritonclient.grpc import InferResult, model_config_pb2, service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
-from . import error_contract as contract
 from .errors import FrontError, invalid, unavailable
 
 OUTPUTS = ("LABELS", "SCORES", "DESCRIPTION", "DESCRIPTION_SOURCE", "USAGE")

@@ -12,7 +12,7 @@ labels.txt, which this script bakes into the graph):
                      x86-64 CPU, with or without VNNI (WEIGHT_LIMIT below)
 
 Both graphs are self-contained, one tensor in and two out, so the same file
-serves in backends/image_classifier (runtime onnxruntime) and in Triton's own onnxruntime backend:
+serves in backends/image (runtime onnxruntime) and in Triton's own onnxruntime backend:
   PIXELS  UINT8 [N,3,224,224]  RGB 0..255 from preprocess; normalised inside
                                ((x - 127) / 128, the weights' own transform)
   SCORES  FP32 [N,5]           softmax probabilities, highest first
@@ -42,7 +42,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPSET = 17
 IMAGE_SIZE = 224
 TOP_K = 5
-# The EfficientNet-Lite TF transform (evidence: backends/image_preprocess/image_decode.py).
+# The EfficientNet-Lite TF transform (evidence: classify_describe_server/image_decode.py).
 MEAN = 127.0
 STD = 128.0
 INPUT_NAME, SCORES_NAME, LABELS_NAME = "PIXELS", "SCORES", "LABELS"

@@ -11,11 +11,13 @@ python="$1" dest="$2"
 : "${BENTOML_VERSION:?source versions.env first}"
 
 scripts/make_side_venv.sh "$python" "$dest" requirements-bentoml.txt
+# The service runs the backends' own decode and classifier runtime (their package, editable).
+"$dest/bin/python" -m pip install --quiet --no-deps --editable ./backends
 # The service's imports resolve, with the versions the runtime pins.
 "$dest/bin/python" - <<'PY'
 import os
 
-import bentoml, numpy, onnxruntime, openai, PIL
+import bentoml, classify_describe_server.image_decode, numpy, onnxruntime, openai, PIL
 
 for module, pin in ((bentoml, "BENTOML_VERSION"), (numpy, "NUMPY_VERSION"), (PIL, "PILLOW_VERSION"),
                     (onnxruntime, "ONNXRUNTIME_VERSION"), (openai, "OPENAI_VERSION")):

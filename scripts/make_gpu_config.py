@@ -63,14 +63,14 @@ def gpu_config(cpu_text):
     del config.instance_group[:]
     config.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)
     runtime = config.parameters["runtime"].string_value if "runtime" in config.parameters else ""
-    if config.backend != "image_classifier" or runtime != "onnxruntime":
+    if config.backend != "image" or runtime != "onnxruntime":
         # The torchscript runtime (a bring-your-own model) or another backend runs on
         # the GPU itself: only the instance kind changes.
         return config
     config.ClearField("backend")
     config.platform = "onnxruntime_onnx"
     config.default_model_filename = GPU_MODEL_FILE
-    config.parameters.clear()  # the Python backend's (runtime, model_file, threads); onnxruntime has its own
+    config.parameters.clear()  # the Python backend's (steps, runtime, model_file, threads); onnxruntime has its own
     tensorrt = config.optimization.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
     # Without an explicit profile, TensorRT builds one for the shapes it has seen and
     # rebuilds (seconds to minutes, inside a request) when a larger batch comes: one

@@ -596,12 +596,12 @@ def test_a_torchscript_classifier_keeps_its_backend_on_the_gpu():
     """The bring-your-own switch (README): the torchscript runtime moves its model to
     cuda:<device> itself, so its GPU config is its CPU config with one KIND_GPU instance."""
     cpu = model_config.read(REPO / "model_repository/classifier/config.pbtxt")
-    assert cpu.backend == "image_classifier"
+    assert cpu.backend == "image"
     cpu.parameters.clear()
     cpu.parameters["runtime"].string_value = "torchscript"
     cpu.parameters["model_file"].string_value = "model.pt"
     gpu = make_gpu_config.gpu_config(model_config.render(cpu))
-    assert gpu.backend == "image_classifier" and not gpu.platform and not gpu.HasField("optimization")
+    assert gpu.backend == "image" and not gpu.platform and not gpu.HasField("optimization")
     assert gpu.parameters == cpu.parameters
     del cpu.instance_group[:]
     cpu.instance_group.add(count=1, kind=model_config_pb2.ModelInstanceGroup.KIND_GPU)

@@ -1,19 +1,25 @@
 """The dependency rules that the folder layout stands for, checked on every
 Python file's imports (README.md, "What runs where"):
 
-- backends/<name>/ imports only the standard library, third-party packages,
-  triton_python_backend_utils and its own folder's modules: Triton loads it
-  alone;
+- backends/classify_describe_server/ (the installed package of Triton-free logic)
+  imports only the standard library, third-party packages and itself, never
+  triton_python_backend_utils;
+- backends/<name>/ (a Triton adapter) imports only the standard library,
+  third-party packages, the package and its own folder's modules: Triton loads it
+  alone; only model.py and a Triton I/O module beside it import
+  triton_python_backend_utils;
 - serving/ (ships in the image beside tritonserver) imports only the standard
   library and itself: the container's system Python runs it;
 - classify_describe/ (the pip-installable client) imports only the standard
   library, its declared dependencies and itself;
 - openai_front/ (ships in the image, started by the supervisor) imports only
   the standard library, the runtime requirements it talks through (aiohttp,
-  tritonclient, grpc, numpy) and itself: no model code, no image decoding;
+  tritonclient, grpc, numpy), the package's contract modules (error contract,
+  request ids, config) and itself: no model code, no image decoding;
 - nothing outside tests/ imports tests/, and shipped code never imports tools/;
 - no file edits sys.path: the layout and pytest's `pythonpath` (pyproject.toml)
-  say where modules come from.
+  say where modules come from;
+- no symlink anywhere in the tree.
 """
 
 import ast
@@ -25,7 +31,11 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BACKENDS = sorted(p.parent for p in (REPO / "backends").glob("*/model.py"))
 BACKEND_MODULES = {p.stem for b in BACKENDS for p in b.rglob("*.py")}
-REPO_PACKAGES = {"serving", "tools", "tests", "scripts", "classify_describe", "backends", "openai_front"}
+PACKAGE = "classify_describe_server"
+REPO_PACKAGES = {"serving", "tools", "tests", "scripts", "classify_describe", "backends", "openai_front", PACKAGE}
+# What the front may use of the package: the two sides of the error contract and request ids, and the ConfigError.
+FRONT_USES = {"error_contract", "request_id", "config"}
+TRITON = "triton_python_backend_utils"
 # serving/ runs under the container's system Python (3.10 in the NGC 24.10 image):
 # modules that came later do not count as standard library there.
 STDLIB = set(sys.stdlib_module_names) - {"tomllib", "_tomllib", "wsgiref.types"}
@@ -47,6 +57,16 @@ def imported(path):
     return names
 
 
+def package_modules(path):
+    """The modules of the package a file imports (`from PACKAGE import x`, `from PACKAGE.x import y`)."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            parts = node.module.split(".")
+            used.update([parts[1]] if len(parts) > 1 else [alias.name for alias in node.names])
+    return used
+
+
 def first_party(names):
     """Names that resolve to this repository: its packages, the backends'
     modules, and the tests' modules (tests/unit is on pytest's pythonpath)."""
@@ -54,17 +74,34 @@ def first_party(names):
 
 
 def test_the_layout_has_the_folders_the_rules_name():
-    assert BACKENDS and {"openai_describe", "image_preprocess", "image_classifier"} <= {b.name for b in BACKENDS}
-    for folder in ("serving", "tools", "scripts", "tests", "classify_describe", "model_repository", "openai_front"):
+    assert {b.name for b in BACKENDS} == {"openai_describe", "image"}
+    for folder in ("serving", "tools", "scripts", "tests", "classify_describe", "model_repository", "openai_front",
+                   f"backends/{PACKAGE}"):
         assert (REPO / folder).is_dir(), folder
 
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda p: p.name)
-def test_a_backend_imports_nothing_from_the_rest_of_the_repository(backend):
+def test_a_backend_imports_only_its_folder_and_the_package(backend):
     own = {p.stem for p in backend.rglob("*.py")}
     for path in backend.rglob("*.py"):
-        foreign = first_party(imported(path)) - own
+        foreign = first_party(imported(path)) - own - {PACKAGE}
         assert not foreign, f"{path.relative_to(REPO)} imports {sorted(foreign)}"
+
+
+def test_only_a_model_py_and_its_triton_io_touch_triton():
+    touching = sorted(p.relative_to(REPO).as_posix() for p in python_files("backends", "openai_front", "serving",
+                                                                          "classify_describe")
+                      if TRITON in imported(p))
+    assert touching == ["backends/image/model.py", "backends/openai_describe/model.py",
+                        "backends/openai_describe/triton_io.py"]
+
+
+def test_the_package_imports_only_itself_and_libraries():
+    for path in python_files(f"backends/{PACKAGE}"):
+        names = imported(path)
+        assert TRITON not in names, f"{path.relative_to(REPO)} imports Triton: the package runs without it"
+        foreign = first_party(names) - {"."}
+        assert not foreign, f"{path.relative_to(REPO)} imports {sorted(foreign)}: the package stands alone"
 
 
 def test_serving_uses_the_standard_library_only():
@@ -84,10 +121,12 @@ def test_the_openai_front_talks_to_triton_and_nothing_else():
     # prometheus_client: its own /metrics, in the standard exposition; orjson and pybase64: the body's
     # JSON and the photo's decode.
     allowed = STDLIB | {"openai_front", ".", "aiohttp", "tritonclient", "grpc", "numpy", "prometheus_client",
-                        "pybase64", "orjson"}
+                        "pybase64", "orjson", PACKAGE}
     for path in python_files("openai_front"):
         other = imported(path) - allowed
         assert not other, f"{path.relative_to(REPO)} imports {sorted(other)}: the front forwards to Triton, nothing more"
+        used = package_modules(path)
+        assert used <= FRONT_USES, f"{path.relative_to(REPO)} uses {sorted(used - FRONT_USES)} of {PACKAGE}"
 
 
 def test_nothing_imports_tests_and_shipped_code_never_imports_tools():
@@ -145,20 +184,10 @@ def test_no_file_edits_sys_path():
         assert not edits_sys_path(ast.parse(path.read_text(), str(path))), f"{path.relative_to(REPO)} edits sys.path"
 
 
-def test_a_shared_file_is_a_link_that_resolves_where_it_ships():
-    """The error contract is one file that the backends and the front read
-    (docs/DESIGN.md#errors), the backends' logger (model_log.py) one file that
-    every backend uses: the others link to them. A link must stay inside
-    backends/ (copied whole into the image), or, from openai_front/, point at
-    a file the Dockerfile copies to where the link looks."""
-    dockerfile = (REPO / "Dockerfile").read_text()
-    links = [p for folder in ("backends", "openai_front", "serving") for p in (REPO / folder).rglob("*") if p.is_symlink()]
-    assert links, "the error contract's links are gone: update this test and docs/DESIGN.md"
-    for link in links:
-        target = link.resolve()
-        assert target.is_file() and REPO in target.parents, f"{link.relative_to(REPO)} -> {target}"
-        shipped_with = (REPO / "backends") if "backends" in link.relative_to(REPO).parts[:1] else None
-        if shipped_with is None or shipped_with not in target.parents:
-            relative = target.relative_to(REPO).as_posix()
-            assert f"COPY {relative} {target.parent.relative_to(REPO).as_posix()}/" in dockerfile, \
-                f"{link.relative_to(REPO)} links to {relative}, which the Dockerfile does not ship beside it"
+def test_no_symlink_anywhere_in_the_tree():
+    """Shared code is imported from the package, never linked into a folder."""
+    import subprocess
+
+    staged = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in staged.splitlines() if line.startswith("120000 ")]
+    assert links == [], f"symlinks in the tree: {links}"

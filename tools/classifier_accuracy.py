@@ -25,7 +25,6 @@ import numpy as np
 
 from scripts import export_onnx
 from tools import docs_section, host
-from tools.backend_code import load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "model_repository" / "classifier" / "1"
@@ -68,9 +67,8 @@ def int8_vs_fp32(count, min_area):
 
 
 def draft_vs_full():
+    from classify_describe_server import image_decode
     from PIL import Image
-
-    image_decode = load("image_preprocess", "image_decode")
     drafted = image_decode.ImagePreprocessor(image_decode.PreprocessSettings())
     full = image_decode.ImagePreprocessor(image_decode.PreprocessSettings(jpeg_draft=False))
     sess = export_onnx.session(str(MODEL_DIR / "model.onnx"))

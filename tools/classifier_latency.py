@@ -3,11 +3,11 @@
 The runtimes (same weights, same crops, one thread, batch 1 and the batch sizes the
 classifier's dynamic batcher forms): the TorchScript file and the ONNX fp32 and int8
 graphs, each with the backend's code for its runtime
-(backends/image_classifier/classifier_runtime.py). Each round runs every
+(classify_describe_server.classifier_runtime). Each round runs every
 runtime once per batch size, in turn, so a neighbour's load on a shared machine
 falls on all of them; the figure is the median over rounds of ms per image.
 
-The decode (backends/image_preprocess, the shipped settings): a small JPEG and a
+The decode (classify_describe_server.image_decode, the shipped settings): a small JPEG and a
 phone-size one (12 MP), with reduced-scale decoding and without.
 
 Adds the run to the JSON file (--results keeps every run: on a shared machine one
@@ -30,7 +30,6 @@ import numpy as np
 
 from scripts import export_onnx
 from tools import docs_section, host
-from tools.backend_code import load
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "model_repository" / "classifier"
@@ -42,7 +41,7 @@ def runtimes(threads):
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
-    runtime = load("image_classifier", "classifier_runtime")
+    from classify_describe_server import classifier_runtime as runtime
     torchscript = runtime.TorchScriptClassifier(MODEL_DIR / "1/model.pt", runtime.load_labels(MODEL_DIR / "labels.txt"),
                                                 [3, 224, 224], top_k=5)
 
@@ -97,7 +96,7 @@ def measure_forward(threads, batch_sizes, rounds):
 
 def measure_decode(rounds):
     """ms per image of the preprocess: a small JPEG, and a phone photo with and without the reduced-scale decode."""
-    image_decode = load("image_preprocess", "image_decode")
+    from classify_describe_server import image_decode
     drafted = image_decode.ImagePreprocessor(image_decode.PreprocessSettings())
     full = image_decode.ImagePreprocessor(image_decode.PreprocessSettings(jpeg_draft=False))
     small, phone = jpeg((640, 480)), jpeg((4032, 3024))

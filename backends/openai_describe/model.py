@@ -20,13 +20,12 @@ import time
 import traceback
 
 import triton_python_backend_utils as pb_utils
+from classify_describe_server import llm_span
+from classify_describe_server.describer import NO_KEY_HELP, Cancelled, Describer, make_client
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import ConfigError, RequestModels, parse_settings, shown_url
 
-import llm_span
 import triton_io as io
-from describer import NO_KEY_HELP, Cancelled, Describer, make_client
-from metrics import Metrics
-from scrubbing import Scrubber
-from settings import ConfigError, RequestModels, parse_settings, shown_url
 from stream_adapter import PhotoStreamAdapter, StreamAdapter
 
 # Without an API key a local endpoint still wants some bearer string.
@@ -39,7 +38,7 @@ SPANS_FLUSH_S = 5.0
 class TritonPythonModel:
     def initialize(self, args):
         self.model_name = args["model_name"]
-        self.log = io.Log(self.model_name)
+        self.log = io.log(self.model_name)
         model_config = json.loads(args["model_config"])
         decoupled = bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
         try:
@@ -47,7 +46,7 @@ class TritonPythonModel:
                 raise ConfigError(
                     "a decoupled (streaming) describe model streams one description per request: "
                     "set max_batch_size: 1")
-            self.settings = parse_settings(io.config_parameters(model_config), os.environ)
+            self.settings = parse_settings(io.model_parameters(model_config), os.environ)
             if self.settings.classify_model and not decoupled:
                 raise ConfigError("classify_model is for a streaming (decoupled) model; without streaming, "
                                   "compose classify and describe in an ensemble (classify_and_describe)")
@@ -63,7 +62,7 @@ class TritonPythonModel:
             # Said once, at load: every request would otherwise repeat it.
             self.log.warn(NO_KEY_HELP.format(where=key_source, prefix=s.env_prefix))
 
-        self.metrics = Metrics({"model": self.model_name, "version": args["model_version"]}, streams=decoupled)
+        self.metrics = io.metrics({"model": self.model_name, "version": args["model_version"]}, streams=decoupled)
         self.closing = False
         self.tasks = set()
         self.loop = asyncio.new_event_loop()

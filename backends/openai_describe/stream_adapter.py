@@ -14,11 +14,10 @@ import threading
 import time
 import traceback
 
-import triton_python_backend_utils as pb_utils
+from classify_describe_server.describer import Cancelled
+from classify_describe_server.prompting import PromptError
 
 import triton_io as io
-from describer import Cancelled
-from prompting import PromptError
 
 # Threads that send responses and ask Triton about cancellations, off the loop.
 SEND_THREADS = 4
@@ -61,7 +60,7 @@ class StreamAdapter:
         after the labels, from the thread that sent them: no LLM call for a
         client that is gone, however long the request waited for the loop."""
         def send():
-            out.sender.send(pb_utils.InferenceResponse(output_tensors=io.labels_tensors([work])))
+            io.send(out.sender, io.response(io.labels_tensors([work])), final=False)
             return None if cancelled.refresh() else work
         return await self.loop.run_in_executor(self.send_pool, send)
 
@@ -110,7 +109,7 @@ class StreamAdapter:
                 await out.send([io.bytes_tensor("DESCRIPTION_SOURCE", [result.source]),
                                 io.bytes_tensor("USAGE", [result.usage.to_json()])], final=True)
         except io.Reject as exc:
-            if exc.code == pb_utils.TritonError.INVALID_ARG:
+            if exc.invalid:
                 self.metrics.request_done(None, "invalid", None)
             response = exc.response()
         except Cancelled:  # counted by the describer, with what it had billed
@@ -203,30 +202,18 @@ class PhotoStreamAdapter(StreamAdapter):
         one: INVALID_ARG), or INTERNAL naming it when its output is unusable."""
         if cancelled.refresh():  # it waited for a thread: the client may have gone meanwhile
             return None
-        # Without trace=: the request was released when execute() returned (decoupled),
-        # and a BLS call traced under it crashed Triton 2.51 (SIGSEGV in the release).
         # VIEW (the photo as the LLM sees it) only when the LLM may see it.
         wanted = ["LABELS", "SCORES"] + (["VIEW"] if self.settings.vision != "off" else [])
-        response = pb_utils.InferenceRequest(
-            model_name=self.settings.classify_model, inputs=[pb_utils.Tensor("IMAGE", work.image)],
-            requested_output_names=wanted, request_id=work.request_id).exec()
-        if response.has_error():
-            error = response.error()
-            code = error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL
-            raise io.Reject(error.message(), code)  # in the error contract already (image_preprocess)
-        labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
-        scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
-        view = pb_utils.get_output_tensor_by_name(response, "VIEW")
+        labels, scores, view = io.classify(self.settings.classify_model, work.image, wanted, work.request_id)
         try:
-            job = io.job_from(labels[0], scores[0], work.prompt, work.overrides, self.settings,
-                              view.as_numpy().reshape(-1)[0] if view is not None else None, work.dialogue,
+            job = io.job_from(labels, scores, work.prompt, work.overrides, self.settings, view, work.dialogue,
                               work.request_id, work.trace)
         except (io.InvalidInput, PromptError) as exc:
             # The PROMPT passed these checks in execute(): what fails is the classifier's
             # output (a bring-your-own one with long labels or NaN scores), the server's fault.
             raise io.internal(f"the classifier {self.settings.classify_model!r} returned output the describe "
                               f"step cannot use: {exc}") from None
-        sender.send(pb_utils.InferenceResponse(output_tensors=io.labels_tensors([job])))
+        io.send(sender, io.response(io.labels_tensors([job])), final=False)
         return None if cancelled.refresh() else job
 
 
@@ -275,9 +262,8 @@ class _Outbox:
             raise _ChunkLost() from self.failure
 
     async def send(self, tensors, final=False, error=None):
-        response = error if error is not None else pb_utils.InferenceResponse(output_tensors=tensors)
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final or error is not None else 0
-        await self.loop.run_in_executor(self.pool, functools.partial(self.sender.send, response, flags=flags))
+        response = error if error is not None else io.response(tensors)
+        await self.loop.run_in_executor(self.pool, functools.partial(io.send, self.sender, response, final or error is not None))
 
 
 class _Watch:

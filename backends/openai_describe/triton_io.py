@@ -1,6 +1,8 @@
 """Triton I/O of the openai_describe backend, shared by both ways to serve:
-requests read into Jobs (every refusal names its field), tensors written,
-errors answered in the error contract (error_contract.py), the log."""
+requests read into Jobs (every refusal names its field), tensors and responses
+written and sent, the BLS call to the classifier, errors answered in the error
+contract (classify_describe_server.error_contract), the log. With model.py, the
+only module of this backend that touches triton_python_backend_utils."""
 
 import base64
 import binascii
@@ -10,14 +12,15 @@ import math
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-
-import error_contract as contract
-import request_id as ids
-from describer import Job
-from dialogue import read_conversation, read_response_format
-from model_log import Log  # noqa: F401 - io.Log, the adapters' logger
-from prompting import PromptError, read_labels, read_prompt
-from settings import InvalidOverride, Overrides
+from classify_describe_server import error_contract as contract
+from classify_describe_server import request_id as ids
+from classify_describe_server.config import model_parameters  # noqa: F401 - io.model_parameters
+from classify_describe_server.describer import Job
+from classify_describe_server.dialogue import read_conversation, read_response_format
+from classify_describe_server.metrics import Metrics
+from classify_describe_server.model_log import Log
+from classify_describe_server.prompting import PromptError, read_labels, read_prompt
+from classify_describe_server.settings import InvalidOverride, Overrides
 
 JPEG_START = b"\xff\xd8\xff"
 
@@ -41,6 +44,11 @@ class Reject(Exception):
 
     def response(self):
         return error_response(str(self), self.code)
+
+    @property
+    def invalid(self):
+        """The request's own fault (INVALID_ARG)."""
+        return self.code == pb_utils.TritonError.INVALID_ARG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +199,30 @@ def _photo(image):
     return image
 
 
-def config_parameters(model_config):
-    """config.pbtxt `parameters` as {key: string value}, what parse_settings takes."""
-    return {key: value.get("string_value", "") for key, value in model_config.get("parameters", {}).items()}
+def log(model_name):
+    """The backend's log: Triton's server log, each line naming the model."""
+    return Log(model_name, pb_utils.Logger)
+
+
+def metrics(labels, streams):
+    return Metrics(pb_utils.MetricFamily, labels, streams=streams)
+
+
+def classify(model_name, image, wanted, request_id):
+    """A BLS call to the classify model: (labels [k], scores [k], the view's bytes or None).
+    Raises Reject with the classifier's own error, which is in the error contract already
+    (backends/image)."""
+    # Without trace=: the request was released when execute() returned (decoupled),
+    # and a BLS call traced under it crashed Triton 2.51 (SIGSEGV in the release).
+    response = pb_utils.InferenceRequest(model_name=model_name, inputs=[pb_utils.Tensor("IMAGE", image)],
+                                         requested_output_names=wanted, request_id=request_id).exec()
+    if response.has_error():
+        error = response.error()
+        raise Reject(error.message(), error.code() if hasattr(error, "code") else pb_utils.TritonError.INTERNAL)
+    labels = pb_utils.get_output_tensor_by_name(response, "LABELS").as_numpy()
+    scores = pb_utils.get_output_tensor_by_name(response, "SCORES").as_numpy()
+    view = pb_utils.get_output_tensor_by_name(response, "VIEW")
+    return labels[0], scores[0], view.as_numpy().reshape(-1)[0] if view is not None else None
 
 
 # -- responses out -------------------------------------------------------------------
@@ -206,6 +235,15 @@ def labels_tensors(jobs):
 
 def bytes_tensor(name, texts):
     return pb_utils.Tensor(name, np.array([[t.encode("utf-8")] for t in texts], dtype=np.object_))
+
+
+def response(tensors):
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def send(sender, response, final):
+    """One response of a stream; `final` closes it."""
+    sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0)
 
 
 def error_response(message, code):

@@ -12,11 +12,10 @@ import time
 import uuid
 
 import pytest
+from classify_describe_server.settings import DEFAULT_SYSTEM_PROMPT
 
 from classify_describe import AsyncClient, Client, TritonRequestError
 from tools import soak
-
-from settings import DEFAULT_SYSTEM_PROMPT
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

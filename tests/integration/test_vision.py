@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from classify_describe_server import image_decode
 from PIL import Image
 
-from tools.backend_code import load
 from tools.bench import inprocess
 from tools.reference import PHOTO_SECRETS, jpeg_with_metadata
 
@@ -117,7 +117,7 @@ def test_a_photo_that_is_a_view_already_reaches_the_llm_as_sent_without_its_meta
     photo = jpeg_with_metadata((640, 480))
     ask(triton, path, photo, unique("As sent?"))
     seen = last_image(llm)
-    stripped = load("image_preprocess", "image_decode").jpeg_without_metadata(photo)  # unit-tested apart
+    stripped = image_decode.jpeg_without_metadata(photo)  # unit-tested apart
     assert seen["sha256"] == hashlib.sha256(stripped).hexdigest()
     assert (seen["format"], seen["width"], seen["height"], seen["metadata"]) == ("JPEG", 640, 480, [])
     assert seen["bytes"] < len(photo) - len(b"".join(PHOTO_SECRETS))

@@ -1,5 +1,6 @@
 """A backend's model.py loaded as a module of its own: every backend's file is named model.py
-(Triton loads each in a stub of its own), so a plain import would give all tests the first one."""
+(Triton loads each in a stub of its own), so a plain import would give all tests the first one.
+The modules beside a model.py come from pytest's pythonpath (pyproject.toml), as Triton puts its folder there."""
 
 import importlib.util
 import pathlib

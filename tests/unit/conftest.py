@@ -16,9 +16,9 @@ def fake_pb_utils_module():
 
 @pytest.fixture(scope="session", autouse=True)
 def busy_boards_apart(tmp_path_factory):
-    """The models' busy boards (backends/image_classifier/busy_board.py) in a folder of this run,
+    """The models' busy boards (classify_describe_server.busy_board) in a folder of this run,
     not /dev/shm: a run stopped inside an execution must not leave a flag a later run sees."""
-    import busy_board
+    from classify_describe_server import busy_board
 
     folder = str(tmp_path_factory.mktemp("busy_boards"))
     real, busy_board.default_directory = busy_board.default_directory, lambda: folder

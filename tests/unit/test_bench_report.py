@@ -200,7 +200,7 @@ def test_the_in_process_baseline_runs_more_than_one_thread_as_the_servers_wide_p
     """1xN's N threads run the session of the server's wide pass (its workers spinning between ops);
     the narrow session's N threads, asleep between ops, were a weaker baseline
     (docs/benchmarks-method.md#where-the-cpu-goes)."""
-    from tools.backend_code import load
+    from classify_describe_server import classifier_runtime
 
     made = []
 
@@ -211,7 +211,7 @@ def test_the_in_process_baseline_runs_more_than_one_thread_as_the_servers_wide_p
         def classify(self, pixels, idle=False):
             return idle
 
-    monkeypatch.setattr(load("image_classifier", "classifier_runtime"), "OnnxClassifier", Classifier)
+    monkeypatch.setattr(classifier_runtime, "OnnxClassifier", Classifier)
     passes = [inprocess._onnx("model.onnx")(REPO / "model_repository", threads)(None) for threads in (1, 2)]
     assert passes == [False, True]  # one thread: the narrow session, the same graph and options
     assert made == [{"intra_op_threads": 1, "idle_intra_op_threads": 1},
@@ -236,7 +236,7 @@ def _repository_serving(tmp_path, backend, parameters):
 def test_the_served_runtime_is_the_one_the_classifier_config_names(tmp_path, parameters, expected):
     """The classify target is measured against this runtime's in-process limit: a wrong
     answer compares the server with another runtime's limit."""
-    assert inprocess.served_runtime(_repository_serving(tmp_path, "image_classifier", parameters)) == expected
+    assert inprocess.served_runtime(_repository_serving(tmp_path, "image", {"steps": "classify", **parameters})) == expected
 
 
 def test_the_shipped_classifier_serves_the_runtime_its_config_names():

@@ -7,8 +7,9 @@ policy inside dynamic_batching."""
 import pathlib
 
 import pytest
+from classify_describe_server import classifier_runtime, image_steps
 
-from tools import backend_code, model_config
+from tools import model_config
 from tools.bench import run
 
 CONFIG = pathlib.Path(__file__).resolve().parents[2] / "model_repository/classifier/config.pbtxt"
@@ -43,8 +44,8 @@ def test_every_variant_renders_a_config_that_parses(shipped, name):
     run.describe_classifier_config(config)
     parameters = {key: value.string_value for key, value in
                   model_config.parse(model_config.render(config)).parameters.items()}
-    assert config.backend == "image_classifier"
-    backend_code.load(config.backend, "classifier_runtime").parse_settings(parameters)
+    assert config.backend == "image"
+    classifier_runtime.parse_settings(image_steps.split_parameters(parameters)[2])
 
 
 def test_labels_name_the_policy(shipped):

@@ -4,12 +4,11 @@ working (its figures come from the full run, on a quiet machine)."""
 
 import json
 
-from tools.backend_code import load
 from tools.bench import wide_pass_spin
 
 
 def test_a_short_run_measures_both_sessions_in_both_modes(tmp_path, monkeypatch):
-    runtime = load("image_classifier", "classifier_runtime")
+    from classify_describe_server import classifier_runtime as runtime
     made, make_session = [], runtime._onnx_session
     monkeypatch.setattr(runtime, "_onnx_session", lambda path, threads, spin=False: made.append((threads, spin)) or
                         make_session(path, threads, spin=spin))

@@ -5,7 +5,7 @@ with mixed content parts, and the USAGE output's exact form (found by
 import json
 from types import SimpleNamespace
 
-from accounting import Usage, finish_reason_of, message_chars, tokens_from
+from classify_describe_server.accounting import Usage, finish_reason_of, message_chars, tokens_from
 
 
 def test_usage_missing_or_partial_costs_nothing_for_what_is_missing():

@@ -9,13 +9,12 @@ import asyncio
 
 import openai
 import pytest
+from classify_describe_server.describer import Describer, make_client, response_bytes_limit
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import parse_settings
 from openai.types.chat import ChatCompletion
 
 from tools.fake_openai import FakeOpenAI
-
-from describer import Describer, make_client, response_bytes_limit
-from scrubbing import Scrubber
-from settings import parse_settings
 
 KEY = "sk-unit-DO-NOT-LEAK-chat-endpoint"
 BODY = {"model": "gpt-4o-mini", "max_tokens": 64, "temperature": 0.2,

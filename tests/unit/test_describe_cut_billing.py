@@ -8,11 +8,10 @@ import json
 import math
 
 import pytest
+from classify_describe_server.describer import Cancelled
+from classify_describe_server.prompting import build_messages
 from test_describe_describer import job
 from test_describe_streaming import run, stream
-
-from describer import Cancelled
-from prompting import build_messages
 
 
 def expected_prompt_tokens(d, the_job):

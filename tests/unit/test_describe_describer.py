@@ -8,13 +8,12 @@ import resource
 import time
 
 import pytest
+from classify_describe_server.describer import Cancelled, Describer, Job, Observer, make_client
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import Overrides, parse_settings
 from openai.types.chat import ChatCompletion
 
 from tools.fake_openai import FakeOpenAI
-
-from describer import Cancelled, Describer, Job, Observer, make_client
-from scrubbing import Scrubber
-from settings import Overrides, parse_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,10 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-
-from describer import Describer, Job, WholeAnswer, _answer_text, _caused_by
-from resilience import MalformedResponse
-from scrubbing import Scrubber
-from settings import Overrides, parse_settings
+from classify_describe_server.describer import Describer, Job, WholeAnswer, _answer_text, _caused_by
+from classify_describe_server.resilience import MalformedResponse
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import Overrides, parse_settings
 
 SETTINGS = parse_settings({}, {})
 

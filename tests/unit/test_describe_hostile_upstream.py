@@ -11,13 +11,12 @@ import json
 from types import SimpleNamespace
 
 from aiohttp import web
+from classify_describe_server.accounting import tokens_from
+from classify_describe_server.describer import SHOWN_ERROR_CHARS, Describer, make_client
+from classify_describe_server.resilience import refuses_image
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import parse_settings, shown_url
 from test_describe_describer import FAST, KEY, Log, Recorder, job
-
-from accounting import tokens_from
-from describer import SHOWN_ERROR_CHARS, Describer, make_client
-from resilience import refuses_image
-from scrubbing import Scrubber
-from settings import parse_settings, shown_url
 
 # Past every calendar: email.utils reads it, datetime cannot hold it (OverflowError).
 NO_SUCH_DATE = "Mon, 01 Jan 99999999999999999999 00:00:00 GMT"

@@ -7,12 +7,11 @@ import pathlib
 
 import numpy as np
 import pytest
+from classify_describe_server.prompting import PromptError, read_prompt
+from classify_describe_server.settings import ConfigError, InvalidOverride, parse_settings
 
 from tests.unit.test_describe_model import fake, make_model  # noqa: F401  (fixtures reused)
 from tools import model_config
-
-from prompting import PromptError, read_prompt
-from settings import ConfigError, InvalidOverride, parse_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -4,12 +4,12 @@ secret scrubbing, prompts and fallback text."""
 import email.utils
 import json
 
-from accounting import Usage, cost_usd
-from llm_cache import LRUCache, cache_key
-from prompting import build_messages, fallback_description
-from resilience import CircuitBreaker, backoff_delay, classify_status, parse_retry_after
-from scrubbing import Scrubber
-from settings import parse_settings
+from classify_describe_server.accounting import Usage, cost_usd
+from classify_describe_server.llm_cache import LRUCache, cache_key
+from classify_describe_server.prompting import build_messages, fallback_description
+from classify_describe_server.resilience import CircuitBreaker, backoff_delay, classify_status, parse_retry_after
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import parse_settings
 
 
 class Clock:

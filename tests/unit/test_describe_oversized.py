@@ -8,11 +8,10 @@ there, and a body past response_bytes_limit is not read at all."""
 import asyncio
 import time
 
+from classify_describe_server.describer import CHARS_PER_TOKEN, response_bytes_limit
+from classify_describe_server.settings import parse_settings
 from test_describe_describer import job, run
 from test_describe_streaming import stream
-
-from describer import CHARS_PER_TOKEN, response_bytes_limit
-from settings import parse_settings
 
 LIMIT = CHARS_PER_TOKEN * 64  # job() asks for max_tokens 64
 

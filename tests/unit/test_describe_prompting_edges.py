@@ -2,9 +2,8 @@
 a refusal blames (found by `make mutants`, docs/mutation.md)."""
 
 import pytest
-
-from prompting import PromptError, build_messages, fallback_description, read_labels, read_prompt
-from settings import parse_settings
+from classify_describe_server.prompting import PromptError, build_messages, fallback_description, read_labels, read_prompt
+from classify_describe_server.settings import parse_settings
 
 
 def test_labels_exactly_at_each_limit_pass_and_one_more_is_refused():

@@ -9,13 +9,13 @@ import re
 
 import numpy as np
 import pytest
+from classify_describe_server.settings import parse_settings
 
 from tools.fake_openai import ThreadedFakeOpenAI
 
 from .test_describe_describer import job, run
 from .test_describe_model import make_model, request
 from .test_describe_stream_model import make_stream_model, sent
-from settings import parse_settings
 
 NEW_ID = re.compile(r"[0-9a-f]{32}")
 
@@ -92,9 +92,9 @@ def test_a_photo_stream_passes_the_id_to_the_classify_call_and_the_upstream(fake
 
 
 def test_a_log_line_about_a_request_names_it_after_the_model(fake_pb_utils_module):
-    from model_log import Log
+    from classify_describe_server.model_log import Log
 
-    log = Log("describe")
+    log = Log("describe", fake_pb_utils_module.Logger)
     log.error("it broke", "rid-9")
     log.info("loaded")
     assert fake_pb_utils_module.Logger.records[-2:] == [("error", "[describe] [request id: rid-9] it broke"),

@@ -5,7 +5,7 @@ docs/mutation.md)."""
 import email.utils
 import time
 
-from resilience import (
+from classify_describe_server.resilience import (
     CircuitBreaker,
     Failure,
     backoff_delay,

@@ -2,8 +2,7 @@
 
 
 import pytest
-
-from settings import ConfigError, InvalidOverride, Overrides, parse_settings
+from classify_describe_server.settings import ConfigError, InvalidOverride, Overrides, parse_settings
 
 
 def test_defaults_point_at_openai():

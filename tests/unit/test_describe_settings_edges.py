@@ -3,8 +3,7 @@ spellings a value may take, and what each refusal names (found by
 `make mutants`, docs/mutation.md)."""
 
 import pytest
-
-from settings import ConfigError, InvalidOverride, RequestModels, parse_settings
+from classify_describe_server.settings import ConfigError, InvalidOverride, RequestModels, parse_settings
 
 POSITIVE = ("timeout_s", "total_timeout_s", "circuit_cooldown_s", "cancel_poll_s")
 NOT_NEGATIVE = ("backoff_base_s", "backoff_max_s", "max_retry_after_s", "cache_ttl_s",

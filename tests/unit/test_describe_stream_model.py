@@ -280,11 +280,10 @@ def test_a_stream_beyond_max_open_streams_is_refused_at_once(fake_pb_utils_modul
     """Two streams open (the upstream slow): a third is refused in execute() with
     UNAVAILABLE and code=overloaded, which the front answers 503 with Retry-After;
     once the two end, a new one is taken again."""
+    from classify_describe_server import error_contract as contract
     from tritonclient.utils import InferenceServerException
 
     from openai_front.triton import front_error
-
-    import error_contract as contract
 
     pb_utils = fake_pb_utils_module
     fake.set_mode("ok", latency_ms=1500, answer_words=3)

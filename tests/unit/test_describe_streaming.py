@@ -4,13 +4,12 @@ call (cache, retries, breaker, slots, fallback, billing), text chunk by chunk.""
 
 import asyncio
 
+from classify_describe_server.describer import Cancelled, Describer, make_client
+from classify_describe_server.scrubbing import Scrubber
+from classify_describe_server.settings import parse_settings
 from test_describe_describer import FAST, KEY, Log, Recorder, job
 
 from tools.fake_openai import FakeOpenAI
-
-from describer import Cancelled, Describer, make_client
-from scrubbing import Scrubber
-from settings import parse_settings
 
 
 def run(test, key=KEY, **params):

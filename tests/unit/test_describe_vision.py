@@ -8,14 +8,13 @@ import io
 import json
 
 import pytest
+from classify_describe_server.describer import Job
+from classify_describe_server.dialogue import read_conversation, read_response_format
+from classify_describe_server.settings import InvalidOverride, Overrides, Settings, parse_settings
 from PIL import Image
 from test_describe_describer import run
 
 from tools.fake_openai.server import IMAGE_TOKENS
-
-from describer import Job
-from dialogue import read_conversation, read_response_format
-from settings import InvalidOverride, Overrides, Settings, parse_settings
 
 
 def jpeg(color, size=(64, 48)):
@@ -198,7 +197,7 @@ def test_vision_is_auto_by_default_and_llm_vision_sets_it():
 def test_the_scrubber_masks_data_uris_and_long_base64():
     import base64
 
-    from scrubbing import Scrubber
+    from classify_describe_server.scrubbing import Scrubber
 
     encoded = base64.b64encode(RED).decode()
     scrub = Scrubber()

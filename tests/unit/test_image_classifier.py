@@ -8,7 +8,6 @@ scale classifies as the full decode does. TorchScript's generic checks run on a 
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,10 +18,9 @@ import onnx
 import pytest
 import torch
 from backend_model import load_model
+from classify_describe_server import classifier_runtime
 
 from scripts import export_onnx
-
-import classifier_runtime
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CLASSIFIER_DIR = REPO / "model_repository" / "classifier"
@@ -33,8 +31,8 @@ pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.*is deprecated:DeprecationWarning")
 
 
-classifier_model = load_model("image_classifier")
-preprocess_model = load_model("image_preprocess")
+classifier_model = load_model("image")
+preprocess_model = load_model("image")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,8 +51,8 @@ def keep_torch_threads():
 
 
 def model_config(runtime, parameters=None, dtype="TYPE_UINT8", input_dims=(3, 224, 224), k=5):
-    """A classifier config; runtime None leaves the parameter out."""
-    parameters = {**({"runtime": runtime} if runtime else {}), **(parameters or {})}
+    """A classifier config (backends/image, steps classify); runtime None leaves the parameter out."""
+    parameters = {"steps": "classify", **({"runtime": runtime} if runtime else {}), **(parameters or {})}
     return {
         "name": "classifier",
         "max_batch_size": 8,
@@ -189,15 +187,13 @@ def test_each_runtime_serves_the_shipped_weights_and_says_which(runtime, fake_pb
 def test_an_onnxruntime_instance_never_imports_torch():
     """Half the stub's resident memory (docs/classifier-runtime.md): torch loads only for torchscript."""
     script = (
-        "import sys, numpy as np, classifier_runtime as r\n"
+        "import sys, numpy as np, classify_describe_server.classifier_runtime as r\n"
         "tensors = r.Tensors('PIXELS', (3, 224, 224), np.dtype(np.uint8), 'SCORES', 'LABELS', 5)\n"
         f"classifier = r.load(r.parse_settings({{'runtime': 'onnxruntime'}}), {str(CLASSIFIER_DIR)!r}, 1, tensors)\n"
         "assert classifier.classify(np.zeros((1, 3, 224, 224), np.uint8))[0].shape == (1, 5)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n"
     )
-    backend = str(REPO / "backends/image_classifier")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": backend})
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
@@ -208,9 +204,9 @@ def test_committed_config_loads_and_serves_the_measured_default():
     from tools.model_config import read
 
     config = read(CLASSIFIER_DIR / "config.pbtxt")
-    assert config.backend == "image_classifier"
+    assert config.backend == "image"
     parameters = {key: value.string_value for key, value in config.parameters.items()}
-    assert parameters["runtime"] == "onnxruntime"
+    assert parameters["steps"] == "classify" and parameters["runtime"] == "onnxruntime"
     model = make_model(model_config(None, parameters))
     assert model.classifier.top_k == 5 and model.classifier.intra_op_threads == 1
     assert model.classifier.session.get_session_options().intra_op_num_threads == 1

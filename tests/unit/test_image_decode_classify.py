@@ -21,9 +21,9 @@ REPOSITORY = REPO / "model_repository"
 pb_utils = sys.modules["triton_python_backend_utils"]  # the fake, installed by conftest.py
 
 
-fused_module = load_model("image_decode_classify")
-preprocess_module = load_model("image_preprocess")
-classifier_module = load_model("image_classifier")
+fused_module = load_model("image")
+preprocess_module = load_model("image")
+classifier_module = load_model("image")
 
 
 def as_triton_json(path):
@@ -143,19 +143,33 @@ def test_vision_off_answers_an_empty_view(photos, monkeypatch):
 
 
 def test_parameters_are_split_between_the_decode_and_the_classifier():
-    decode, classifier, folder = fused_module.split_parameters(
-        {"crop_size": "224", "jpeg_draft": "false", "runtime": "onnxruntime", "model_file": "m.onnx",
-         "classifier_model": "my_classifier"})
+    steps, decode, classifier, folder = fused_module.split_parameters(
+        {"steps": "decode, classify", "crop_size": "224", "jpeg_draft": "false", "runtime": "onnxruntime",
+         "model_file": "m.onnx", "classifier_model": "my_classifier"})
+    assert steps == "decode,classify"
     assert decode == {"crop_size": "224", "jpeg_draft": "false"}
     assert classifier == {"runtime": "onnxruntime", "model_file": "m.onnx"}
     assert folder == "my_classifier"
-    assert fused_module.split_parameters({"runtime": "onnxruntime"})[2] == "classifier"
+    assert fused_module.split_parameters({"steps": "decode,classify", "runtime": "onnxruntime"})[3] == "classifier"
+
+
+def test_a_single_step_gets_every_parameter_and_no_classifier_folder():
+    params = {"crop_size": "224", "runtime": "onnxruntime"}
+    assert fused_module.split_parameters({"steps": "decode", **params}) == ("decode", params, {}, None)
+    assert fused_module.split_parameters({"steps": "classify", **params}) == ("classify", {}, params, None)
+
+
+@pytest.mark.parametrize("steps", [None, "", "classify,decode", "decode+classify", "view"])
+def test_steps_must_name_what_the_backend_does(steps):
+    parameters = {"runtime": "onnxruntime"} if steps is None else {"steps": steps}
+    with pytest.raises(fused_module.ConfigError, match="parameter steps must be one of 'decode', 'classify', 'decode,classify'"):
+        fused_module.split_parameters(parameters)
 
 
 @pytest.mark.parametrize("folder", ["", "..", ".", "../classifier", "a/b"])
 def test_a_classifier_folder_outside_the_repository_is_refused(folder):
-    with pytest.raises(fused_module.DecodeConfigError, match="classifier_model"):
-        fused_module.split_parameters({"classifier_model": folder})
+    with pytest.raises(fused_module.ConfigError, match="classifier_model"):
+        fused_module.split_parameters({"steps": "decode,classify", "classifier_model": folder})
 
 
 def test_a_bad_parameter_fails_the_load_with_its_name(monkeypatch):
@@ -176,11 +190,12 @@ def test_the_config_keeps_preprocess_and_classifier_settings():
         return {key: value.string_value
                 for key, value in read_model_config(REPOSITORY / model / "config.pbtxt").parameters.items()}
 
-    fused = parameters("classify_with_view")
+    fused, preprocess, classifier = parameters("classify_with_view"), parameters("preprocess"), parameters("classifier")
+    assert (fused.pop("steps"), preprocess.pop("steps"), classifier.pop("steps")) == ("decode,classify", "decode", "classify")
     assert fused.pop("classifier_model") == "classifier"
     # Only classify_with_view, the CPU layout, holds a second session for lone requests (its memory).
-    assert fused.pop("idle_intra_op_threads") == "2" and "idle_intra_op_threads" not in parameters("classifier")
-    assert fused == {**parameters("preprocess"), **parameters("classifier")}
+    assert fused.pop("idle_intra_op_threads") == "2" and "idle_intra_op_threads" not in classifier
+    assert fused == {**preprocess, **classifier}
 
 
 def test_the_gpu_config_chains_preprocess_and_the_gpu_classifier():
@@ -203,7 +218,7 @@ def test_a_config_without_view_never_makes_one(photos):
 def test_a_pass_takes_the_idle_core_only_while_every_neighbour_is_idle(fused, photos, monkeypatch):
     """busy_board.py across stubs: the committed config runs a lone request's forward pass on two
     threads, and one beside a neighbour that holds a "cpu" slot on one."""
-    import busy_board
+    from classify_describe_server import busy_board
 
     assert fused.classifier.idle_threads == 2
     asked = []
@@ -221,7 +236,7 @@ def test_a_pass_takes_the_idle_core_only_while_every_neighbour_is_idle(fused, ph
 
 
 def test_the_two_model_layout_takes_the_idle_core_the_same_way(two_models, photos, monkeypatch):
-    import busy_board
+    from classify_describe_server import busy_board
 
     preprocess, _ = two_models
     config = as_triton_json(REPOSITORY / "classifier/config.pbtxt")
@@ -247,7 +262,7 @@ def test_every_model_holding_a_cpu_slot_is_busy_on_the_board_while_it_executes(l
                                                                                  monkeypatch):
     """A decode in preprocess keeps a core as busy as a forward pass: a neighbour's pass must not
     count it idle. Seen from a neighbour stub while each model's execute runs."""
-    import busy_board
+    from classify_describe_server import busy_board
 
     model = {"fused": fused, "preprocess": two_models[0], "classifier": two_models[1]}[layout]
     if layout == "classifier":
@@ -258,9 +273,8 @@ def test_every_model_holding_a_cpu_slot_is_busy_on_the_board_while_it_executes(l
     # Its clock a second ahead: only an execution in progress counts, not one that just ended.
     neighbour = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid(), clock=lambda: time.monotonic_ns() + 10**9)
     seen = []
-    inner = {"fused": "_execute", "preprocess": "_respond", "classifier": "_execute"}[layout]
-    work = getattr(model, inner)
-    monkeypatch.setattr(model, inner, lambda *args: seen.append(neighbour.others_busy()) or work(*args))
+    work = model._execute
+    monkeypatch.setattr(model, "_execute", lambda *args: seen.append(neighbour.others_busy()) or work(*args))
     try:
         response = model.execute([request])
         response = response[0] if isinstance(response, list) else response
@@ -272,15 +286,15 @@ def test_every_model_holding_a_cpu_slot_is_busy_on_the_board_while_it_executes(l
 
 def test_whether_the_others_are_idle_is_asked_after_the_decode(fused, photos, monkeypatch):
     """A neighbour that starts while this instance decodes takes its core: the pass runs narrow."""
-    import busy_board
+    from classify_describe_server import busy_board
 
     asked = []
     classify = fused.classifier.classify
     monkeypatch.setattr(fused.classifier, "classify", lambda pixels, idle=False: asked.append(idle) or classify(pixels, idle))
     neighbour = busy_board.BusyBoard(busy_board.CPU_BOARD, pid=os.getppid())
     starts = neighbour.executing()
-    decode = fused._decode
-    monkeypatch.setattr(fused, "_decode", lambda request: (decode(request), starts.__enter__())[0])
+    decode = fused._read
+    monkeypatch.setattr(fused, "_read", lambda request: (decode(request), starts.__enter__())[0])
     try:
         answer(fused.execute([image_request(photos["coffee"])])[0])
     finally:
@@ -291,7 +305,7 @@ def test_whether_the_others_are_idle_is_asked_after_the_decode(fused, photos, mo
 
 @pytest.mark.parametrize("name", ["classify_with_view", "preprocess", "classifier"])
 def test_unloading_an_instance_gives_its_place_on_the_board_back(name, tmp_path, monkeypatch):
-    import busy_board
+    from classify_describe_server import busy_board
 
     monkeypatch.setattr(busy_board, "default_directory", lambda: str(tmp_path))  # apart from the module's models
     module = {"classify_with_view": fused_module, "preprocess": preprocess_module, "classifier": classifier_module}[name]
@@ -313,7 +327,7 @@ def test_the_newest_classifier_version_holding_the_model_file_is_served(tmp_path
             (tmp_path / version / "model.onnx").write_bytes(b"")
     (tmp_path / "12").write_bytes(b"")  # a file, not a version folder
     assert fused_module.newest_version(tmp_path, "model.onnx") == 10
-    with pytest.raises(fused_module.ClassifierConfigError, match="model.pt"):
+    with pytest.raises(fused_module.ConfigError, match="model.pt"):
         fused_module.newest_version(tmp_path, "model.pt")
 
 
@@ -326,8 +340,8 @@ def test_a_new_classifier_version_is_loaded_and_named_in_the_log(tmp_path, monke
         (repository / "classifier" / version / "model.onnx").symlink_to(REPOSITORY / "classifier/1/model.onnx")
     loaded, logged = [], []
     real_load = fused_module.load
-    monkeypatch.setattr(fused_module, "load", lambda settings, model_dir, version, tensors: (
-        loaded.append(version), real_load(settings, model_dir, version, tensors))[1])
+    monkeypatch.setattr(fused_module, "load", lambda settings, model_dir, version, tensors, device: (
+        loaded.append(version), real_load(settings, model_dir, version, tensors, device))[1])
     monkeypatch.setattr(fused_module.Log, "info", lambda self, message: logged.append(message))
     model = fused_module.TritonPythonModel()
     model.initialize({"model_config": json.dumps(as_triton_json(REPOSITORY / "classify_with_view/config.pbtxt")),

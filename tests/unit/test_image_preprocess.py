@@ -9,13 +9,7 @@ import sys
 import numpy as np
 import pytest
 from backend_model import load_model
-from PIL import Image, ImageFile
-
-from tools.fake_openai.server import METADATA_KEYS
-from tools.model_config import read as read_model_config
-from tools.reference import PHOTO_SECRETS, bad_images, jpeg_with_metadata, png_with_header_size, reference_pixels
-
-from image_decode import (
+from classify_describe_server.image_decode import (
     ConfigError,
     ImagePreprocessor,
     InvalidImage,
@@ -25,6 +19,11 @@ from image_decode import (
     parse_settings,
     wants_view,
 )
+from PIL import Image, ImageFile
+
+from tools.fake_openai.server import METADATA_KEYS
+from tools.model_config import read as read_model_config
+from tools.reference import PHOTO_SECRETS, bad_images, jpeg_with_metadata, png_with_header_size, reference_pixels
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "model_repository" / "preprocess" / "config.pbtxt"
@@ -38,7 +37,7 @@ def restore_pillow_guard(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)
 
 
-model_module = load_model("image_preprocess")
+model_module = load_model("image")
 
 
 # ---------------------------------------------------------------- helpers
@@ -96,6 +95,7 @@ def preprocessor():
 
 def test_committed_config_parses_to_the_reference_transform():
     params = {k: v["string_value"] for k, v in committed_parameters().items()}
+    assert params.pop("steps") == "decode"
     settings = parse_settings(params)
     assert settings.resize_shorter_side == 256 and settings.crop_size == 224
     assert settings.jpeg_draft is True
@@ -117,7 +117,7 @@ def test_invalid_settings_say_what_to_fix(params, words):
 
 
 def test_adapter_fails_load_on_bad_parameter():
-    config = model_config(parameters={"crop_size": {"string_value": "nope"}})
+    config = model_config(parameters={"steps": {"string_value": "decode"}, "crop_size": {"string_value": "nope"}})
     with pytest.raises(pb_utils.TritonModelException, match="preprocess: parameter crop_size"):
         make_model(config)
 
@@ -330,7 +330,7 @@ def test_16bit_and_32bit_grayscale_scale_like_the_float_reference(preprocessor, 
         decoded = preprocessor.decode(encode(Image.fromarray(values), "PNG"))
         source = Image.fromarray(values)
     else:  # modes no supported format yields today, converted by the same rule
-        from image_decode import _to_rgb
+        from classify_describe_server.image_decode import _to_rgb
 
         if mode == "I;16B":
             source = Image.frombytes("I;16B", (256, 256), values.astype(">u2").tobytes())

@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 import pytest
+from classify_describe_server import llm_span
+from classify_describe_server.describer import Cancelled
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -22,9 +24,6 @@ from test_describe_stream_model import labelling_classifier, make_stream_model, 
 from test_describe_trace import TRACEPARENT, traced
 
 from tools.fake_openai import ThreadedFakeOpenAI
-
-import llm_span
-from describer import Cancelled
 
 TRACE_ID, TRITON_SPAN_ID = TRACEPARENT.split("-")[1:3]
 CONTEXT = json.dumps({"traceparent": TRACEPARENT, "tracestate": "rojo=1"})

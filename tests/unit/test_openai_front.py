@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from classify_describe_server import error_contract as contract
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import InferInput, service_pb2
 from tritonclient.grpc._utils import _get_inference_request
@@ -21,7 +22,6 @@ from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from openai_front import app as front_app
 from openai_front import chat, responses, settings, triton
-from openai_front import error_contract as contract
 from openai_front.errors import FrontError
 from openai_front.metrics import Metrics
 from openai_front.triton import Answer, front_error

@@ -17,11 +17,11 @@ import random
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from classify_describe_server import error_contract as contract
 from test_openai_front import PNG, StalledPool, body, front_with
 from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
-from backends.openai_describe import error_contract as contract
 from openai_front import app as front_app
 from openai_front import settings, triton
 from openai_front.errors import FrontError

@@ -12,11 +12,11 @@ import json
 import openai
 import pytest
 from aiohttp.test_utils import TestServer
+from classify_describe_server import error_contract as contract
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from openai_front import chat, triton
-from openai_front import error_contract as contract
 from openai_front.triton import Answer, front_error
 
 from .test_openai_front import PNG, front_with

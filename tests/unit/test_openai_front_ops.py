@@ -13,11 +13,11 @@ import threading
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from classify_describe_server import request_id as ids
 from prometheus_client.parser import text_string_to_metric_families
 
 from openai_front import access_log, settings
 from openai_front import app as front_app
-from openai_front import request_id as ids
 from openai_front.triton import TritonPool
 
 from .test_openai_front import StalledPool, body, front_with

@@ -8,10 +8,9 @@ import dataclasses
 import pathlib
 
 import pytest
+from classify_describe_server.settings import Settings, parse_settings
 
 from tools import model_config
-
-from settings import Settings, parse_settings
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STREAM_ONLY = {  # parameters the streaming models may set differently, and why

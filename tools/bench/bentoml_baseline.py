@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from classify_describe_server import image_steps
+
 from serving.procfs import cpu_seconds, process_tree
 from tools import host, model_config
 from tools.bench.clients import _drive
@@ -213,7 +215,7 @@ def job(repository, variant):
     settings = {key: value for key, value in VARIANTS[variant].items() if key not in ("service", "label")}
     return {"model_file": str(repository / "classifier/1" / classifier.get("model_file", "model.onnx")),
             "intra_op_threads": int(classifier.get("intra_op_threads", "1")),
-            "preprocess": parameters("preprocess"), "describe": parameters("describe"), **settings}
+            "preprocess": image_steps.split_parameters(parameters("preprocess"))[1], "describe": parameters("describe"), **settings}
 
 
 class BentoServer:

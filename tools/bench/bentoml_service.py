@@ -3,8 +3,8 @@
 comparison is of the serving, not of the work (docs/benchmarks-method.md#bentoml).
 
 Per request, as the ensemble's three steps do: the photo decoded and resized by
-backends/image_preprocess (pixels and the view the LLM is shown), the same
-model.onnx in ONNX Runtime through backends/image_classifier's runtime with the
+classify_describe_server.image_decode (pixels and the view the LLM is shown), the same
+model.onnx in ONNX Runtime through classify_describe_server's classifier runtime with the
 classifier config's intra-op threads, the top 5, then one chat completion to the
 same upstream with the openai SDK's async client on its aiohttp transport, the
 messages built by backends/openai_describe's prompting with its settings and the
@@ -41,8 +41,6 @@ import openai
 from bentoml.validators import ContentType
 from openai.types.chat import ChatCompletion
 
-from tools.backend_code import load
-
 JOB = json.loads(os.environ.get("BENTOML_JOB", "{}"))
 # BentoML's defaults, less the per-request access log (Triton keeps none by default).
 COMMON = {"traffic": {"timeout": JOB.get("timeout_s", 60)}, "logging": {"access": {"enabled": False}}}
@@ -50,12 +48,12 @@ JpegFile = typing.Annotated[pathlib.Path, ContentType("image/jpeg")]
 
 
 def _preprocessor():
-    image_decode = load("image_preprocess", "image_decode")
+    from classify_describe_server import image_decode
     return image_decode.ImagePreprocessor(image_decode.parse_settings(JOB["preprocess"]))
 
 
 def _classifier():
-    runtime = load("image_classifier", "classifier_runtime")
+    from classify_describe_server import classifier_runtime as runtime
     return runtime.OnnxClassifier(JOB["model_file"], "PIXELS", [3, 224, 224], np.uint8, "SCORES", "LABELS", 5,
                                   intra_op_threads=JOB["intra_op_threads"])
 
@@ -64,8 +62,9 @@ class Describe:
     """The describe step's upstream call: its settings, messages and SDK call."""
 
     def __init__(self):
-        settings_module = load("openai_describe", "settings")
-        self.prompting = load("openai_describe", "prompting")
+        from classify_describe_server import prompting
+        from classify_describe_server import settings as settings_module
+        self.prompting = prompting
         self.settings = settings_module.parse_settings(JOB["describe"])
         key, _ = self.settings.load_api_key(os.environ)
         # As describer.make_client: the aiohttp transport, a pool as large as the in-flight cap, no SDK retries.

@@ -75,12 +75,9 @@ def _inputs(module, image, prompt=None):
 async def run_pattern(pattern, triton_url, llm_base_url, images, prompts, concurrency, duration_s, warmup_s=2.0):
     """pattern: "ensemble" or "two_step"; returns throughput (req/s) and p50/p99 (ms)."""
     import tritonclient.http.aio as httpclient
+    from classify_describe_server.prompting import build_messages
+    from classify_describe_server.settings import Settings
     from openai import AsyncOpenAI
-
-    from tools.backend_code import load
-
-    build_messages = load("openai_describe", "prompting").build_messages
-    Settings = load("openai_describe", "settings").Settings
 
     settings = Settings()
     triton = httpclient.InferenceServerClient(triton_url, conn_limit=max(100, concurrency * 2),
@@ -120,12 +117,9 @@ async def run_describe_overhead(triton_url, llm_base_url, prompts, count, warmup
     same chat call made straight to the upstream with the openai SDK. The fake answers
     at once, so the difference is what the Triton step adds."""
     import tritonclient.http.aio as httpclient
+    from classify_describe_server.prompting import build_messages
+    from classify_describe_server.settings import Settings
     from openai import AsyncOpenAI
-
-    from tools.backend_code import load
-
-    build_messages = load("openai_describe", "prompting").build_messages
-    Settings = load("openai_describe", "settings").Settings
 
     settings = Settings()
     labels = ["Egyptian cat", "tabby, tabby cat", "tiger cat", "lynx, catamount", "window screen"]

@@ -1,7 +1,7 @@
 """The classification path without Triton: the in-process limit a server is measured against.
 
 Decode + preprocess + forward per image with the server's own code
-(backends/image_preprocess and the classifier backend's logic module) and the
+(classify_describe_server's image_decode and classifier_runtime) and the
 settings of the model repository's configs, in each layout that spends the
 machine's cores in one place:
 
@@ -37,9 +37,8 @@ BARRIER_TIMEOUT_S = 300  # a worker that died leaves the others waiting at most 
 # -- runtimes: name -> how to build a classify(pixels) callable in a worker ---------------------
 
 def _torchscript(repository, threads):
-    from tools.backend_code import load
 
-    runtime = load("image_classifier", "classifier_runtime")
+    from classify_describe_server import classifier_runtime as runtime
     model_dir = repository / "classifier"
     # threads: as the torchscript runtime sets torch_num_threads (and one inter-op thread).
     model = runtime.TorchScriptClassifier(torchscript_file(repository), runtime.load_labels(
@@ -52,19 +51,16 @@ def torchscript_file(repository):
 
 
 def _onnx(model_file):
-    """The onnxruntime runtime of backends/image_classifier on `model_file` of the classifier's version
+    """The onnxruntime runtime of classify_describe_server.classifier_runtime on `model_file` of the classifier's version
     folder, with the tensors of the repository's classifier config, or the ones the ONNX config declares
     by default."""
     def build(repository, threads):
         import numpy as np
+        from classify_describe_server import classifier_runtime as runtime
         from tritonclient.grpc import model_config_pb2
-
-        from tools.backend_code import load
-
-        runtime = load("image_classifier", "classifier_runtime")
         config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
         parameters = config.parameters
-        if config.backend == "image_classifier" and "runtime" in parameters and \
+        if config.backend == "image" and "runtime" in parameters and \
                 parameters["runtime"].string_value == "onnxruntime":
             pixels = config.input[0]
             name, dims, top_k = pixels.name, list(pixels.dims), {o.name: o for o in config.output}["SCORES"].dims[0]
@@ -85,9 +81,7 @@ def _onnx(model_file):
 
 def _onnx_file(model_file):
     def path(repository):
-        # Only where the build has the backend too (branches before it have neither).
-        backend = REPO / "backends/image_classifier/classifier_runtime.py"
-        return pathlib.Path(repository) / "classifier/1" / model_file if backend.is_file() else backend
+        return pathlib.Path(repository) / "classifier/1" / model_file
     return path
 
 
@@ -107,11 +101,11 @@ def available_runtimes(repository):
 def served_runtime(repository):
     """The runtime the repository's `classifier` model serves with."""
     config = model_config.read(pathlib.Path(repository) / "classifier/config.pbtxt")
-    if config.backend == "image_classifier":
-        from tools.backend_code import load
+    if config.backend == "image":
+        from classify_describe_server import classifier_runtime, image_steps
 
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        settings = load("image_classifier", "classifier_runtime").parse_settings(parameters)
+        settings = classifier_runtime.parse_settings(image_steps.split_parameters(parameters)[2])
         if settings.runtime == "torchscript":
             return "torchscript"
         for name, (_, needs, _) in RUNTIMES.items():
@@ -121,13 +115,12 @@ def served_runtime(repository):
 
 
 def preprocessor(repository):
-    """backends/image_preprocess with the settings of the repository's preprocess config."""
-    from tools.backend_code import load
+    """classify_describe_server.image_decode with the settings of the repository's preprocess config."""
+    from classify_describe_server import image_decode, image_steps
 
-    image_decode = load("image_preprocess", "image_decode")
     config = model_config.read(pathlib.Path(repository) / "preprocess/config.pbtxt")
     parameters = {key: value.string_value for key, value in config.parameters.items()}
-    return image_decode.ImagePreprocessor(image_decode.parse_settings(parameters))
+    return image_decode.ImagePreprocessor(image_decode.parse_settings(image_steps.split_parameters(parameters)[1]))
 
 
 # -- one worker process ---------------------------------------------------------------------------

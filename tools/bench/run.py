@@ -297,7 +297,7 @@ def classifier_threads(config):
     return int(config.parameters[key].string_value or 1) if key in config.parameters else 1
 
 
-# The per-instance thread count parameter of each runtime of the classifier backend (image_classifier).
+# The per-instance thread count parameter of each runtime of the classifier backend (backends/image).
 THREAD_PARAMETERS = {"torchscript": "torch_num_threads", "onnxruntime": "intra_op_threads"}
 
 

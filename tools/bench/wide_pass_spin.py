@@ -2,7 +2,7 @@
 (docs/benchmarks-method.md#where-the-cpu-goes).
 
 One process decodes and classifies the bench's photos with the server's own code
-(backends/image_preprocess, backends/image_classifier's `_onnx_session`) on two sessions of the
+(classify_describe_server's image_decode and classifier_runtime's `_onnx_session`) on two sessions of the
 served graph with `--threads` intra-op threads: `asleep` (spinning off, as the narrow sessions and,
 before 2026-12-06, the wide one and the in-process baseline) and `spinning` (between ops, stopped
 when the pass ends: the wide session now). Each round runs both in turn (the order alternating),
@@ -27,7 +27,6 @@ import sys
 import time
 
 from tools import host
-from tools.backend_code import load
 from tools.bench import inprocess, inputs
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -49,7 +48,7 @@ def one_mode(run, images, lone, count, gap_s, seconds):
 
 
 def measure(args):
-    runtime = load("image_classifier", "classifier_runtime")
+    from classify_describe_server import classifier_runtime as runtime
     repository = REPO / "model_repository"
     preprocess = inprocess.preprocessor(repository)
     images = list(inputs.photo_jpegs().values())

@@ -1,11 +1,9 @@
-"""Prometheus metrics of the describe step (pb_utils.MetricFamily), fed by the
-Describer through the Observer interface."""
+"""Prometheus metrics of the describe step, fed by the Describer through the Observer
+interface. `family` is pb_utils.MetricFamily, handed in by the backend's model.py."""
 
 import threading
 
-import triton_python_backend_utils as pb_utils
-
-from describer import Observer
+from .describer import Observer
 
 LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
 # The streaming step's own delay before the labels go out: IPC and our loop, no network.
@@ -15,7 +13,7 @@ CIRCUIT_STATE_VALUE = {"closed": 0, "half_open": 1, "open": 2}
 
 
 class Metrics(Observer):
-    """Prometheus metrics through pb_utils.MetricFamily, labelled with the Triton
+    """Prometheus metrics through Triton's MetricFamily, labelled with the Triton
     model and version; per-upstream-model series are created on first use.
 
     Every Metric call is a round trip to the Triton process. About ten per
@@ -26,9 +24,8 @@ class Metrics(Observer):
 
     FLUSH_S = 0.25
 
-    def __init__(self, labels, streams=False):
+    def __init__(self, family, labels, streams=False):
         self.labels = labels
-        family = pb_utils.MetricFamily
         self.requests = family("describe_requests_total",
                                "Describe requests by outcome (ok, retried, cached, fallback, partial, error, "
                                "cancelled, invalid, overloaded)", family.COUNTER)

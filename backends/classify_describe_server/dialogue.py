@@ -7,7 +7,7 @@ import json
 
 import orjson
 
-from settings import InvalidOverride
+from .settings import InvalidOverride
 
 ROLES = ("system", "user", "assistant")
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")

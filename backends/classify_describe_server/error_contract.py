@@ -7,9 +7,8 @@ with a token that the front reads instead of matching the prose:
     [code=invalid_parameter field=max_tokens] max_tokens must be an integer in [1, 1024] ...
 
 `code` says what happened, `field` names the input tensor or request
-parameter at fault when there is one. This one file is the contract:
-backends/openai_describe/ holds it, backends/image_preprocess/ and
-openai_front/ link to it (docs/DESIGN.md#errors). Standard library only.
+parameter at fault when there is one. This one module is the contract: every
+backend and openai_front/ import it (docs/DESIGN.md#errors). Standard library only.
 """
 
 import dataclasses

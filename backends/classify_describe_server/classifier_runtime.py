@@ -14,15 +14,13 @@ fails the load, not a request.
 """
 
 import dataclasses
-import math
 import pathlib
 from typing import ClassVar
 
 import numpy as np
 
-
-class ConfigError(ValueError):
-    """A config.pbtxt parameter or a model file is wrong; the message says how to fix it."""
+from . import config
+from .config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +58,7 @@ class TorchScriptSettings:
     labels_file: str = "labels.txt"  # relative to the model folder, one class name per line
     torch_num_threads: int = 1
     top_k: int = 5  # used only when the outputs' dims are -1; otherwise the dims decide
-    # EfficientNet-Lite's TF transform (backends/image_preprocess/image_decode.py says why);
+    # EfficientNet-Lite's TF transform (image_decode.py says why);
     # torchvision-style models want 123.675,116.28,103.53 and 58.395,57.12,57.375.
     mean: tuple = (127.0, 127.0, 127.0)  # per RGB channel, 0..255 pixel units
     std: tuple = (128.0, 128.0, 128.0)
@@ -81,42 +79,7 @@ def parse_settings(parameters: dict[str, str]):
         found = f"is {parameters['runtime']!r}" if "runtime" in parameters else "is missing"
         raise ConfigError(f"parameter runtime {found}: set it to {choices} "
                           f'(parameters {{ key: "runtime" value: {{ string_value: "onnxruntime" }} }})')
-    settings_class = RUNTIMES[runtime]
-    fields = {field.name: field for field in dataclasses.fields(settings_class)}
-    unknown = sorted(set(parameters) - set(fields) - {"runtime"})
-    if unknown:
-        raise ConfigError(f"unknown parameter(s) {unknown} for runtime {runtime}; known: {sorted([*fields, 'runtime'])}")
-    values = {name: _PARSERS[type(fields[name].default)](name, raw) for name, raw in parameters.items() if name in fields}
-    return settings_class(**values)
-
-
-def _text(name, raw):
-    if not raw.strip():
-        raise ConfigError(f"parameter {name} must not be empty")
-    return raw.strip()
-
-
-def _positive_int(name, raw):
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ConfigError(f"parameter {name} must be a positive integer, got {raw!r}")
-    return value
-
-
-def _triple(name, raw):
-    try:
-        values = tuple(float(part) for part in str(raw).split(","))
-    except ValueError:
-        values = ()
-    if len(values) != 3 or not all(math.isfinite(v) for v in values):
-        raise ConfigError(f"parameter {name} must be three comma-separated numbers (R,G,B), got {raw!r}")
-    return values
-
-
-_PARSERS = {str: _text, int: _positive_int, tuple: _triple}
+    return config.parse(RUNTIMES[runtime], parameters, f" for runtime {runtime}", also_known=("runtime",))
 
 
 def load(settings, model_dir, version, tensors: Tensors, device="cpu"):

@@ -23,7 +23,7 @@ import openai
 import orjson
 import yarl
 
-from resilience import AnswerTooLarge
+from .resilience import AnswerTooLarge
 
 # httpx's keep-alive expiry, which the SDK's aiohttp pool uses too.
 KEEPALIVE_S = 5.0

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 from openai import AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
-from accounting import estimated_tokens, finish_reason_of, message_chars
-from resilience import ANSWER_TOO_LONG, Cancelled, MalformedResponse
+from .accounting import estimated_tokens, finish_reason_of, message_chars
+from .resilience import ANSWER_TOO_LONG, Cancelled, MalformedResponse
 
 
 class StreamedAnswer:

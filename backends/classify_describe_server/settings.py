@@ -21,6 +21,8 @@ import string
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
+from .config import ConfigError
+
 DEFAULT_SYSTEM_PROMPT = (
     "You describe a photo. You get the top labels of an ImageNet image classifier with their "
     "confidences, and the photo itself when it is attached. Look at the photo when you have it; "
@@ -39,10 +41,6 @@ MAX_MODEL_NAME = 256
 # What a request's `model` may hold: the ids of OpenAI, DeepSeek, vLLM (Qwen/Qwen2-VL-7B-Instruct),
 # Ollama (llava:13b) and dated snapshots, no whitespace or control characters.
 REQUEST_MODEL_NAME = re.compile(rf"[A-Za-z0-9_.:/@+-]{{1,{MAX_MODEL_NAME}}}")
-
-
-class ConfigError(ValueError):
-    """A config parameter or environment variable is wrong; the message says how to fix it."""
 
 
 class InvalidOverride(ValueError):

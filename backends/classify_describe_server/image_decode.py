@@ -24,13 +24,12 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from PIL.JpegImagePlugin import JpegImageFile
 
+from . import config
+from .config import ConfigError
+
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 # What Pillow names a JPEG with more than one picture (MpoImageFile, a JpegImageFile).
 JPEG_VARIANTS = ("MPO",)
-
-
-class ConfigError(ValueError):
-    """A config.pbtxt parameter is missing or wrong; the message says how to fix it."""
 
 
 class InvalidImage(ValueError):
@@ -52,22 +51,7 @@ class PreprocessSettings:
 
 def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
     """Build settings from config.pbtxt `parameters` ({key: string value}); unknown keys fail."""
-    defaults = PreprocessSettings()
-    known = {field.name for field in dataclasses.fields(PreprocessSettings)}
-    unknown = sorted(set(parameters) - known)
-    if unknown:
-        raise ConfigError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
-    values = {}
-    for name in known:
-        raw = parameters.get(name)
-        default = getattr(defaults, name)
-        if raw is None:
-            values[name] = default
-        elif isinstance(default, bool):
-            values[name] = _parse_bool(name, raw)
-        else:
-            values[name] = _parse_positive_int(name, raw)
-    settings = PreprocessSettings(**values)
+    settings = config.parse(PreprocessSettings, parameters)
     if not 1 <= settings.view_quality <= 95:
         raise ConfigError(f"view_quality must be in [1, 95] (Pillow's useful range), got {settings.view_quality}")
     if settings.view_max_bytes < 4096:
@@ -78,23 +62,6 @@ def parse_settings(parameters: dict[str, str]) -> PreprocessSettings:
             f"({settings.resize_shorter_side})"
         )
     return settings
-
-
-def _parse_positive_int(name, raw):
-    try:
-        value = int(str(raw).strip())
-    except ValueError:
-        raise ConfigError(f"parameter {name} must be a positive integer, got {raw!r}") from None
-    if value <= 0:
-        raise ConfigError(f"parameter {name} must be a positive integer, got {raw!r}")
-    return value
-
-
-def _parse_bool(name, raw):
-    value = str(raw).strip().lower()
-    if value not in ("true", "false"):
-        raise ConfigError(f"parameter {name} must be true or false, got {raw!r}")
-    return value == "true"
 
 
 class ImagePreprocessor:

@@ -17,12 +17,12 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletion
 
-from accounting import Usage, cost_usd, finish_reason_of, tokens_from
-from chat_endpoint import ChatEndpoint
-from llm_cache import LRUCache, cache_key
-from prompting import build_messages, fallback_description
-from request_id import HEADER
-from resilience import (
+from .accounting import Usage, cost_usd, finish_reason_of, tokens_from
+from .chat_endpoint import ChatEndpoint
+from .llm_cache import LRUCache, cache_key
+from .prompting import build_messages, fallback_description
+from .request_id import HEADER
+from .resilience import (
     ANSWER_TOO_LONG,
     IMAGE_REFUSED,
     AnswerTooLarge,
@@ -34,8 +34,8 @@ from resilience import (
     classify_status,
     refuses_image,
 )
-from settings import Overrides
-from streaming import StreamedAnswer
+from .settings import Overrides
+from .streaming import StreamedAnswer
 
 # The most characters of answer kept per max_tokens: generous (English runs about
 # 4 a token), so only an upstream that ignores max_tokens is cut (settings.max_answer_chars).

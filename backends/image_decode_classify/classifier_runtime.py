@@ -1,1 +1,0 @@
-../image_classifier/classifier_runtime.py

@@ -1,1 +1,0 @@
-../openai_describe/error_contract.py

@@ -1,1 +1,0 @@
-../image_preprocess/image_decode.py

@@ -1,1 +1,0 @@
-../openai_describe/model_log.py

@@ -1,1 +1,0 @@
-../image_classifier/busy_board.py

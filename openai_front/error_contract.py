@@ -1,1 +1,0 @@
-../backends/openai_describe/error_contract.py

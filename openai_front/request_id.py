@@ -1,1 +1,0 @@
-../backends/openai_describe/request_id.py
