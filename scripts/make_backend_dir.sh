@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Assemble the backend directory tritonserver is started with:
 #   <dir>/python/         Triton's Python backend + the stub for the venv's Python
-#   <dir>/<our backend>/  links to backends/<name> (model.py and its helpers)
+#   <dir>/<our backend>/  links to backends/<name> (model.py and its Triton I/O; the rest is the installed package)
 # usage: make_backend_dir.sh TRITON_HOME BACKEND_DIR VENV_PYTHON NAME...
 set -euo pipefail
 cd "$(dirname "$0")/.."

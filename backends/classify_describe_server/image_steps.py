@@ -17,10 +17,11 @@ DECODE_KEYS = frozenset(field.name for field in dataclasses.fields(PreprocessSet
 def split_parameters(parameters):
     """config.pbtxt `parameters` -> (steps, decode's, the classifier runtime's, the classifier's folder or None)."""
     parameters = dict(parameters)
-    raw = parameters.pop(STEPS, "")
-    steps = ",".join(part.strip() for part in raw.split(","))
+    raw = parameters.pop(STEPS, None)
+    steps = ",".join(part.strip() for part in (raw or "").split(","))
     if steps not in STEP_CHOICES:
-        raise ConfigError(f"parameter {STEPS} must be one of {', '.join(repr(c) for c in STEP_CHOICES)}, got {raw!r}")
+        found = "is missing" if raw is None else f"is {raw!r}"
+        raise ConfigError(f"parameter {STEPS} {found}: it must be one of {', '.join(repr(c) for c in STEP_CHOICES)}")
     decode = {key: value for key, value in parameters.items() if key in DECODE_KEYS}
     classifier = {key: value for key, value in parameters.items() if key not in DECODE_KEYS}
     folder = None

@@ -1,7 +1,7 @@
 """Every classifier runtime the repository ships serves through the real server:
 the committed `classifier` (ONNX fp32), the same config switched to the int8 file,
 and switched to the torchscript runtime (the bring-your-own path the README
-describes): one backend, image_classifier, and its `runtime` parameter. Each
+describes): one backend, image (steps classify), and its `runtime` parameter. Each
 variant is loaded beside the committed models on the session's copy of the
 repository, fed the uint8 pixels of the server's own preprocess over HTTP and
 gRPC, and must answer as the in-process eager reference does. A config with no
@@ -40,7 +40,7 @@ def variant_config(name, parameters):
     config = model_config.read(model_config_path())
     config.name = name
     config.parameters.clear()
-    for key, value in parameters.items():
+    for key, value in {"steps": "classify", **parameters}.items():
         config.parameters[key].string_value = value
     config.instance_group[0].count = 1
     return model_config.render(config)
@@ -137,7 +137,7 @@ def assert_int8_answers_like(labels, scores, ref_labels, ref_scores):
 
 def test_the_committed_classifier_serves_onnx_fp32(triton):
     config = httpclient.InferenceServerClient(triton.http_url).get_model_config("classifier")
-    assert config["backend"] == "image_classifier"
+    assert config["backend"] == "image"
     assert config["parameters"]["runtime"]["string_value"] == "onnxruntime"
     assert config["parameters"]["model_file"]["string_value"] == "model.onnx"
     assert config["input"][0]["data_type"] == "TYPE_UINT8"

@@ -26,7 +26,7 @@ from .conftest import STARTS_ITS_OWN_SERVER, running_triton
 from .public_models import REPO
 from .test_streaming import grpc_stream, http_stream
 
-VIEW_MAX_SIDE = 768  # preprocess's default (backends/image_preprocess/image_decode.py)
+VIEW_MAX_SIDE = 768  # preprocess's default (classify_describe_server/image_decode.py)
 
 
 def rotated_jpeg():

@@ -1,4 +1,4 @@
-"""backends/image_classifier/busy_board.py: whether the other instances of a server are busy, across
+"""classify_describe_server.busy_board: whether the other instances of a server are busy, across
 processes, so a forward pass takes the idle core only when it is idle (idle_intra_op_threads)."""
 
 import os

@@ -1,4 +1,4 @@
-"""backends/image_classifier without a server, one suite for both runtimes (the `runtime`
+"""backends/image, steps classify (classifier), without a server, one suite for both runtimes (the `runtime`
 parameter): its validation, load-time checks, batching and failures on each runtime, the
 real model through preprocess on each, and the promises of the export on the graphs `make
 build` writes (scripts/export_onnx.py): fp32 ONNX equals TorchScript on real photos, int8

@@ -1,5 +1,5 @@
-"""backends/image_decode_classify without a server: classify_with_view's CPU layout, preprocess's
-decode and the classifier's forward pass in one stub. It must answer what the two models answer in
+"""backends/image, steps decode,classify (classify_with_view), without a server: the CPU layout,
+preprocess's decode and the classifier's forward pass in one stub. It must answer what the two models answer in
 turn, fail a bad image alone, make VIEW only when asked, and be configured as they are."""
 
 import io
@@ -162,8 +162,10 @@ def test_a_single_step_gets_every_parameter_and_no_classifier_folder():
 @pytest.mark.parametrize("steps", [None, "", "classify,decode", "decode+classify", "view"])
 def test_steps_must_name_what_the_backend_does(steps):
     parameters = {"runtime": "onnxruntime"} if steps is None else {"steps": steps}
-    with pytest.raises(fused_module.ConfigError, match="parameter steps must be one of 'decode', 'classify', 'decode,classify'"):
+    found = "is missing" if steps is None else f"is {steps!r}"
+    with pytest.raises(fused_module.ConfigError) as refused:
         fused_module.split_parameters(parameters)
+    assert str(refused.value) == f"parameter steps {found}: it must be one of 'decode', 'classify', 'decode,classify'"
 
 
 @pytest.mark.parametrize("folder", ["", "..", ".", "../classifier", "a/b"])

@@ -1,4 +1,4 @@
-"""backends/image_preprocess without a server: decoding rules, transform, adapter."""
+"""backends/image, steps decode (preprocess), without a server: decoding rules, transform, adapter."""
 
 import io
 import json
