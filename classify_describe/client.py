@@ -106,9 +106,16 @@ def _timed_out(error, module):
     return isinstance(error, (TimeoutError, asyncio.TimeoutError))
 
 
+def retryable_status(status):
+    """Whether a request the server answered with `status` (HTTP or gRPC) may succeed when sent
+    again: the server was unavailable or the call timed out; every other status is the answer.
+    The one rule for infer (a tritonclient error) and stream (the HTTP status)."""
+    return str(status) in _UNAVAILABLE_STATUSES | _TIMEOUT_STATUSES
+
+
 def _retryable(error, module):
     if isinstance(error, module.InferenceServerException):
-        return str(error.status()) in _UNAVAILABLE_STATUSES | _TIMEOUT_STATUSES
+        return retryable_status(error.status())
     return isinstance(error, _no_answer_errors())
 
 
@@ -338,7 +345,7 @@ def _http_refusal(status, body):
     """TritonRequestError for a generate_stream request answered `status`, with Triton's message."""
     message = _error_message(body)
     return TritonRequestError(f"HTTP {status}" + (f": {message}" if message else ""),
-                              retryable=status == 503, answered=True)
+                              retryable=retryable_status(status), answered=True)
 
 
 async def _body_start(response, limit):

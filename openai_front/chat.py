@@ -14,6 +14,8 @@ import re
 import urllib.parse
 
 import pybase64
+from classify_describe_server import dialogue
+from classify_describe_server.settings import Settings as DescribeSettings
 
 from .errors import FrontError, invalid, too_large
 
@@ -21,12 +23,12 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # far above any model's output; the describe step 
 DEFAULT_PORTS = (80, 443)     # the only ports of an allowlisted host, unless an entry says host:port
 # The describe step's bounds on the client's earlier messages (its `conversation`
 # parameter) and on the question (its `max_prompt_chars`, which the settings can
-# change: OPENAI_FRONT_MAX_PROMPT_CHARS), checked here too so a request is refused
-# before it costs a classification.
-MAX_CONVERSATION_MESSAGES = 32
+# change: OPENAI_FRONT_MAX_PROMPT_CHARS), its defaults read from its settings and
+# checked here too, so a request is refused before it costs a classification.
+MAX_CONVERSATION_MESSAGES = DescribeSettings.max_conversation_messages
 MAX_CONTENT_PARTS = 64  # parts of one message's content; counted before any is read
-MAX_CONVERSATION_CHARS = 32_000   # their text in all; also the bound on response_format's JSON
-MAX_PROMPT_CHARS = 2_000  # the question: the last user message's text parts, joined (the default)
+MAX_CONVERSATION_CHARS = DescribeSettings.max_conversation_chars  # also the bound on response_format's JSON
+MAX_PROMPT_CHARS = DescribeSettings.max_prompt_chars  # the question: the last user message's text parts, joined
 
 # Every top-level field is honoured, accepted with the one value the pipeline
 # gives anyway, accepted and ignored (OpenAI's own bookkeeping, which does not
@@ -50,8 +52,8 @@ REFUSED = {
 }
 WHY_ONLY = {"n": "one image, one description", "logprobs": "the pipeline returns no log probabilities",
             "modalities": "the answer is text only", "store": "this endpoint stores no completion"}
-# Message roles: system and developer (OpenAI's newer name for it) go to the LLM as system.
-CONVERSATION_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Message roles: the describe step's, and developer (OpenAI's newer name for system) as system.
+CONVERSATION_ROLES = {**{role: role for role in dialogue.ROLES}, "developer": "system"}
 _JSON_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 

@@ -15,7 +15,8 @@ Python file's imports (README.md, "What runs where"):
 - openai_front/ (ships in the image, started by the supervisor) imports only
   the standard library, the runtime requirements it talks through (aiohttp,
   tritonclient, grpc, numpy), the package's contract modules (error contract,
-  request ids, config) and itself: no model code, no image decoding;
+  request ids, config, the describe step's limits) and itself: no model code,
+  no image decoding;
 - nothing outside tests/ imports tests/, and shipped code never imports tools/;
 - no file edits sys.path: the layout and pytest's `pythonpath` (pyproject.toml)
   say where modules come from;
@@ -33,8 +34,9 @@ BACKENDS = sorted(p.parent for p in (REPO / "backends").glob("*/model.py"))
 BACKEND_MODULES = {p.stem for b in BACKENDS for p in b.rglob("*.py")}
 PACKAGE = "classify_describe_server"
 REPO_PACKAGES = {"serving", "tools", "tests", "scripts", "classify_describe", "backends", "openai_front", PACKAGE}
-# What the front may use of the package: the two sides of the error contract and request ids, and the ConfigError.
-FRONT_USES = {"error_contract", "request_id", "config"}
+# What the front may use of the package: the two sides of the error contract and request ids, the ConfigError,
+# and the describe step's limits and roles, which it checks first.
+FRONT_USES = {"error_contract", "request_id", "config", "settings", "dialogue"}
 TRITON = "triton_python_backend_utils"
 # serving/ runs under the container's system Python (3.10 in the NGC 24.10 image):
 # modules that came later do not count as standard library there.

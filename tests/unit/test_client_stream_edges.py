@@ -11,8 +11,10 @@ import threading
 import time
 
 import pytest
+import tritonclient.http as httpclient
 
 from classify_describe import AsyncClient, Client, TritonRequestError
+from classify_describe import client as client_module
 
 EVENTS = [
     {"LABELS": ["tabby", "tiger cat"], "SCORES": [0.75, 0.25], "model_name": "x"},
@@ -158,6 +160,19 @@ def test_an_error_event_or_status_ends_the_stream_with_a_request_error(serve, as
     with pytest.raises(TritonRequestError) as info:
         events(serve(events=[], status=404))
     assert str(info.value) == "HTTP 404" and info.value.answered and not info.value.retryable
+
+
+@pytest.mark.parametrize("status", [400, 404, 429, 500, 502, 503, 504])
+def test_infer_and_stream_call_the_same_statuses_retryable(serve, status):
+    """Only 503 (unavailable) is worth sending again; a 500 or 502 is the server's answer.
+    The stream reads the HTTP status, infer tritonclient's error: one rule for both."""
+    from tritonclient.http import InferenceServerException
+
+    with Client(serve(events=[], status=status).url, timeout_s=10) as client, pytest.raises(TritonRequestError) as info:
+        list(client.stream(b"img"))
+    stream = info.value
+    infer = client_module._request_error(InferenceServerException("x", status=str(status)), httpclient, 10)
+    assert stream.answered and stream.retryable == infer.retryable == (status == 503), status
 
 
 def test_ready_means_the_server_and_the_model(serve):

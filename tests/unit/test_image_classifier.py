@@ -19,6 +19,7 @@ import pytest
 import torch
 from backend_model import load_model
 from classify_describe_server import classifier_runtime
+from classify_describe_server import error_contract as contract
 
 from scripts import export_onnx
 
@@ -412,7 +413,8 @@ def test_failure_answers_every_request_with_internal_and_logs_it(served, fake_pb
     assert len(responses) == 3
     for response in responses:
         assert response.error().code() == pb_utils.TritonError.INTERNAL
-        assert "arena" not in response.error().message() and "out of memory" not in response.error().message()
+        assert contract.read(response.error().message()) == contract.CodedError(
+            contract.INTERNAL, None, "internal error in the classifier")  # nothing of the exception
     assert any("arena allocation" in message for level, message in pb_utils.Logger.records if level == "error")
 
 
@@ -453,7 +455,9 @@ def test_non_finite_pixels_fail_only_their_request(tiny_model_dir):
     assert len(responses) == 3
     assert not responses[0].has_error() and not responses[2].has_error()
     assert responses[1].error().code() == pb_utils.TritonError.INVALID_ARG
-    assert "NaN" in responses[1].error().message()
+    # In the error contract, naming the tensor, as every other refusal of the image steps.
+    assert contract.read(responses[1].error().message()) == contract.CodedError(
+        contract.INVALID_INPUT, "PIXELS", "PIXELS holds NaN or infinite values")
 
 
 # ---------------------------------------------------------------- the real model through preprocess, on each runtime

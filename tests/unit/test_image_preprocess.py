@@ -245,6 +245,29 @@ def test_max_pixels_is_checked_from_the_header_before_decoding(monkeypatch):
         preprocessor(data)
 
 
+@pytest.mark.parametrize("size, refused", [((100, 100), False), ((101, 100), True)])
+def test_max_pixels_is_the_most_an_image_may_have(size, refused):
+    preprocessor = ImagePreprocessor(PreprocessSettings(max_pixels=100 * 100, resize_shorter_side=16, crop_size=16))
+    data = encode(solid((1, 2, 3), size), "PNG")
+    if refused:
+        with pytest.raises(InvalidImage, match=r"101x100 = 10100 pixels, more than the 10000 allowed"):
+            preprocessor(data)
+    else:
+        assert preprocessor(data).shape == (3, 16, 16)
+
+
+@pytest.mark.parametrize("extra, refused", [(0, False), (1, True)])
+def test_max_image_bytes_is_the_most_a_file_may_hold(extra, refused):
+    data = encode(solid((1, 2, 3), (16, 16)), "BMP")
+    preprocessor = ImagePreprocessor(PreprocessSettings(max_image_bytes=len(data) - extra, resize_shorter_side=16,
+                                                        crop_size=16))
+    if refused:
+        with pytest.raises(InvalidImage, match=f"more than the {len(data) - 1} allowed"):
+            preprocessor(data)
+    else:
+        assert preprocessor(data).shape == (3, 16, 16)
+
+
 def test_bomb_header_is_rejected_before_decoding(preprocessor, monkeypatch):
     monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("decoded a bomb"))
     with pytest.raises(InvalidImage, match="pixels"):
