@@ -14,7 +14,6 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from classify_describe_server import error_contract as contract
 from tritonclient.grpc import InferResult, model_config_pb2, service_pb2
-from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 from .errors import FrontError, invalid, unavailable
@@ -87,22 +86,24 @@ def build_request(model, image, prompt=None, parameters=None, request_id=""):
     cancelled call). request_id becomes Triton's request id, which the
     describe step passes on to the LLM upstream and puts in its log lines.
 
-    tritonclient builds every field but the tensors' contents; those follow
+    Every field but the tensors' contents is set through the protobuf message
+    (service_pb2, the generated API tritonclient ships); the contents follow
     as raw_input_contents written here, each a BYTES tensor's one element (its
     4-byte little-endian length, then its bytes). In protobuf's encoding,
     fields written after a serialized message are fields of that message, a
     repeated field's values adding up in order, so Triton reads the same
-    request. The photo is copied once, into the bytes sent, where tritonclient
+    request (tests/unit/test_openai_front.py compares it with tritonclient's
+    own). The photo is copied once, into the bytes sent, where tritonclient
     and protobuf copied it three times (the length-prefixed join, protobuf's
     copy in, its serialization out): docs/benchmarks-method.md#the-openai-fronts-cpu."""
     try:
         contents = [image] if prompt is None else [image, prompt.encode("utf-8")]
-        tensors = [grpcclient.InferInput(name, [1, 1], "BYTES") for name in ("IMAGE", "PROMPT")[:len(contents)]]
-        fields = _get_inference_request(
-            model_name=model, inputs=tensors, model_version="", request_id=request_id, outputs=None,
-            sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None,
-            parameters=parameters or None).SerializeToString()
-        parts = [fields]
+        request = service_pb2.ModelInferRequest(model_name=model, id=request_id, inputs=[
+            service_pb2.ModelInferRequest.InferInputTensor(name=name, datatype="BYTES", shape=[1, 1])
+            for name in ("IMAGE", "PROMPT")[:len(contents)]])
+        for key, value in (parameters or {}).items():
+            _set_parameter(request.parameters[key], key, value)
+        parts = [request.SerializeToString()]
         for content in contents:
             length = len(content)  # past 4 GiB to_bytes raises OverflowError: that request's 400
             parts += (RAW_INPUT_CONTENTS_TAG, _varint(length + 4), length.to_bytes(4, "little"), content)
@@ -112,6 +113,26 @@ def build_request(model, image, prompt=None, parameters=None, request_id=""):
         message = error.message() if isinstance(error, InferenceServerException) else str(error)
         raise invalid(f"the request cannot be sent to the pipeline: {message}") from None
     return b"".join(parts)
+
+
+# What Triton's gRPC protocol reserves for itself (tritonclient refuses them too).
+RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority", "binary_data_output"})
+
+
+def _set_parameter(parameter, key, value):
+    """A request parameter in its InferParameter field, by type (bool before int: a bool is an int)."""
+    if key in RESERVED_PARAMETERS:
+        raise ValueError(f"parameter {key!r} is reserved by Triton")
+    if isinstance(value, str):
+        parameter.string_param = value
+    elif isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value  # past 2**63 protobuf raises ValueError: that request's 400
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        raise TypeError(f"parameter {key!r} is a {type(value).__name__}, not a string, number or boolean")
 
 
 def _varint(number):
@@ -218,18 +239,17 @@ def inference_metadata(key):
 
 
 class InferenceCalls:
-    """Triton's two inference calls on one channel, as tritonclient's stub makes
-    them but sending requests serialized beforehand (build_request):
-    tritonclient's own stream_infer builds the request inside gRPC's request
-    iterator, where an error is swallowed and the call cancelled."""
+    """Triton's two inference calls on a channel of our own (grpc.aio's public API), as
+    tritonclient's stub makes them but sending requests serialized beforehand
+    (build_request): tritonclient's own stream_infer builds the request inside gRPC's
+    request iterator, where an error is swallowed and the call cancelled."""
 
     def __init__(self, channel):
+        self.channel = channel
         self.ModelInfer = channel.unary_unary(  # noqa: N815 - the service's own names, as in the stub
-            SERVICE + "ModelInfer", response_deserializer=service_pb2.ModelInferResponse.FromString,
-            _registered_method=True)
+            SERVICE + "ModelInfer", response_deserializer=service_pb2.ModelInferResponse.FromString)
         self.ModelStreamInfer = channel.stream_stream(  # noqa: N815
-            SERVICE + "ModelStreamInfer", response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
-            _registered_method=True)
+            SERVICE + "ModelStreamInfer", response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
 
 
 def channel_args(*extra):
@@ -254,9 +274,9 @@ class TritonPool:
         self.url = url
         self.timeout_s = timeout_s
         self._metadata = inference_metadata(inference_key)
-        self._clients = [grpcclient.InferenceServerClient(url, channel_args=channel_args()) for _ in range(channels)]
-        self._next = itertools.cycle(self._clients)
-        self._calls = itertools.cycle([InferenceCalls(client._channel) for client in self._clients])
+        self._calls_on = [InferenceCalls(grpc.aio.insecure_channel(url, options=channel_args())) for _ in range(channels)]
+        self._calls = itertools.cycle(self._calls_on)
+        self._health = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         # The config reads (longest_queue_time_s) start while Triton may still be loading: on a
         # channel of their own, with its own subchannel (gRPC shares one per address across a
         # process's channels), so that its reconnect back-off after refused connections never
@@ -264,12 +284,14 @@ class TritonPool:
         self._configs = grpcclient.InferenceServerClient(url, channel_args=channel_args(("grpc.use_local_subchannel_pool", 1)))
 
     async def close(self):
-        for client in (*self._clients, self._configs):
+        for calls in self._calls_on:
+            await calls.channel.close()
+        for client in (self._health, self._configs):
             await client.close()
 
     async def is_ready(self):
         try:
-            return await next(self._next).is_server_ready(client_timeout=2)
+            return await self._health.is_server_ready(client_timeout=2)
         except (InferenceServerException, grpc.RpcError):
             return False
 
