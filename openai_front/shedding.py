@@ -368,3 +368,50 @@ def discard_refused_bodies(max_bytes, within_s):
             request.transport.close()
         return response
     return middleware
+
+
+class InFlight:
+    """How many of one costly thing run at once: request bodies being read,
+    parsed and decoded (each holds up to the body, its JSON string and the image
+    in memory), or image URLs being fetched. Past the limit a request waits its
+    turn for up to `wait_s` (in arrival order; how many can wait is bounded by
+    OPENAI_FRONT_MAX_REQUESTS_IN_FLIGHT), then is refused (503, Retry-After)."""
+
+    def __init__(self, limit, what, setting):
+        self.limit, self.now, self.what, self.setting = limit, 0, what, setting
+        self._waiting = collections.deque()  # futures; a finished slot is handed to the first
+
+    @contextlib.asynccontextmanager
+    async def slot(self, wait_s=0.0):
+        if self.now < self.limit:
+            self.now += 1
+        else:
+            await self._wait_for_handover(wait_s)
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _wait_for_handover(self, wait_s):
+        handed = asyncio.get_running_loop().create_future()
+        self._waiting.append(handed)
+        try:
+            async with asyncio.timeout(wait_s):  # 0: refused at the next turn of the loop
+                await handed
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if handed.done() and not handed.cancelled():
+                self._release()  # handed over just as we gave up: pass it on, never leak it
+            else:
+                handed.cancel()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise unavailable(f"the front is reading {self.now} {self.what} already ({self.setting}); "
+                              "retry later") from None
+
+    def _release(self):
+        while self._waiting:
+            handed = self._waiting.popleft()
+            if not handed.done():
+                handed.set_result(None)  # the slot changes hands: self.now stays
+                return
+        self.now -= 1

@@ -897,7 +897,7 @@ def upstream_key_check(stats, llm_key):
 
 
 # How a stream open at the restart ends, by design: the front's error event
-# (openai_front/app.py SHUTTING_DOWN) on its own streams, and the streaming
+# (openai_front/handlers.py SHUTTING_DOWN) on its own streams, and the streaming
 # model's UNAVAILABLE (triton_io.server_stopping) on streams opened on Triton
 # directly; the describe step's "unloading" for a request that came as it began to
 # unload, or that its drain cut short (triton_io.unloading). The server shuts down

@@ -21,7 +21,9 @@ from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from openai_front import app as front_app
+from openai_front import body as front_body
 from openai_front import chat, responses, settings, triton
+from openai_front import keys as front_keys
 from openai_front.errors import FrontError
 from openai_front.metrics import Metrics
 from openai_front.triton import Answer, front_error
@@ -698,8 +700,8 @@ def front_with(pool=None, **changes):
 
     async def swap_pool(app):
         if pool is not None:
-            await app[front_app.POOL].close()
-            app[front_app.POOL] = pool
+            await app[front_keys.POOL].close()
+            app[front_keys.POOL] = pool
 
     app.on_startup.append(swap_pool)
     return app
@@ -721,10 +723,10 @@ def test_a_client_that_leaves_while_the_front_waits_cancels_the_call_and_is_coun
             writer.close()
             await asyncio.wait_for(pool.cancelled.wait(), 5)
             for _ in range(100):  # the handler's own bookkeeping runs as the cancellation unwinds
-                if app[front_app.METRICS].in_flight == 0:
+                if app[front_keys.METRICS].in_flight == 0:
                     break
                 await asyncio.sleep(0.01)
-            return app[front_app.METRICS].render()
+            return app[front_keys.METRICS].render()
 
     text = asyncio.run(main())
     assert value(text, "openai_front_errors_total", status="499", code="client_closed_request") == 1
@@ -768,13 +770,13 @@ def test_through_the_front_they_are_a_400_in_openai_format_on_both_paths(stream,
 ], ids=["a chat request", "NaN and Infinity", "a lone surrogate", "a byte order mark", "a list", "a repeated key"])
 def test_a_body_is_read_as_the_standard_library_reads_it(raw):
     """orjson reads what it accepts alike, and what it refuses goes to the stdlib."""
-    assert repr(front_app.load_json(raw)) == repr(json.loads(raw))
+    assert repr(front_body.load_json(raw)) == repr(json.loads(raw))
 
 
 @pytest.mark.parametrize("raw", [b"{", b'{"a": 1} x', b'{"a": "\xff"}', b"[" * 5000 + b"]" * 5000, b""])
 def test_a_body_neither_reads_is_a_400(raw):
     with pytest.raises(FrontError) as error:
-        front_app.load_json(raw)
+        front_body.load_json(raw)
     assert error.value.status == 400 and "not valid JSON" in error.value.message
 
 
@@ -803,7 +805,7 @@ def test_bodies_being_read_past_the_limit_are_503_with_retry_after_and_free_thei
     payload = json.dumps(body(model="unknown")).encode()  # read and parsed, then 404: the pool is never called
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload))
-    bodies = app[front_app.BODIES]
+    bodies = app[front_keys.BODIES]
 
     async def main():
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
@@ -844,7 +846,7 @@ def test_a_body_that_waits_for_a_slot_gets_the_next_one_freed():
     payload = json.dumps(body(model="unknown")).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(payload))
-    bodies = app[front_app.BODIES]
+    bodies = app[front_keys.BODIES]
 
     async def main():
         async with TestClient(TestServer(app, host="127.0.0.1")) as client:
@@ -866,25 +868,25 @@ def test_a_body_that_waits_for_a_slot_gets_the_next_one_freed():
     assert first == b"HTTP/1.1 404 Not Found" and second == 404 and still_waiting == 0
 
 
-@pytest.mark.parametrize("image_bytes, on_the_loop", [(0, True), (466_000, True), (front_app.OFFLOAD_BYTES, False)],
+@pytest.mark.parametrize("image_bytes, on_the_loop", [(0, True), (466_000, True), (front_body.OFFLOAD_BYTES, False)],
                          ids=["tiny", "coffee.png's size", "over the limit"])
 def test_large_bodies_are_parsed_off_the_event_loop_and_small_ones_on_it(monkeypatch, image_bytes, on_the_loop):
     """A photo's body is parsed on the loop (the hop to a thread and back cost more
     than the parse); one that would stall the loop for milliseconds goes to a worker."""
     threads = []
-    parse = front_app._parse_body
+    parse = front_body.parse_body
 
     def recording(raw, settings):
         threads.append(threading.current_thread() is threading.main_thread())
         return parse(raw, settings)
 
-    monkeypatch.setattr(front_app, "_parse_body", recording)
+    monkeypatch.setattr(front_body, "parse_body", recording)
     payload = json.dumps(body(url="data:image/png;base64," + base64.b64encode(PNG + b"\0" * image_bytes).decode(),
                               model="x"))
-    status, _, _ = asyncio.run(_post(front_with(StalledPool(), max_image_bytes=2 * front_app.OFFLOAD_BYTES), payload))
+    status, _, _ = asyncio.run(_post(front_with(StalledPool(), max_image_bytes=2 * front_body.OFFLOAD_BYTES), payload))
     assert status == 404  # parsed: the model id is unknown
     assert threads == [on_the_loop]
-    assert (len(payload) > front_app.OFFLOAD_BYTES) != on_the_loop
+    assert (len(payload) > front_body.OFFLOAD_BYTES) != on_the_loop
 
 
 def test_finish_reason_is_the_one_the_describe_step_passed_on_in_usage():
@@ -997,7 +999,7 @@ def test_requests_past_the_limit_in_flight_are_refused_from_their_headers_before
                     models_status = models.status
             holder.close()  # the held request ends (cancelled): its slot is free again
             for _ in range(500):
-                if app[front_app.ADMISSION].now == 0:
+                if app[front_keys.ADMISSION].now == 0:
                     break
                 await asyncio.sleep(0.01)
             pool.started.clear()

@@ -23,6 +23,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from tritonclient.utils import InferenceServerException
 
 from openai_front import app as front_app
+from openai_front import keys as front_keys
 from openai_front import settings, triton
 from openai_front.errors import FrontError
 from openai_front.shedding import AdaptiveLimit, ImageBytes
@@ -246,7 +247,7 @@ def test_the_front_cuts_on_tritons_refusals_for_load(message, cut):
         async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
             async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
                                     data=json.dumps(body())) as answer:
-                return answer.status, app[front_app.ADMISSION].limit
+                return answer.status, app[front_keys.ADMISSION].limit
 
     status, limit = asyncio.run(main())
     assert status == 503
@@ -273,7 +274,7 @@ def test_only_successful_answers_and_refusals_for_load_reach_the_limit():
     limit = RecordingLimit()
 
     async def main():
-        app[front_app.ADMISSION].limit = limit
+        app[front_keys.ADMISSION].limit = limit
         async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
             url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
             statuses = []
@@ -320,7 +321,7 @@ def exchange(pool, requests, stream=False, limit=None, **changes):
 
     async def main():
         if limit is not None:
-            app[front_app.ADMISSION].limit = limit
+            app[front_keys.ADMISSION].limit = limit
         async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
             async def one():
                 async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions",
@@ -332,7 +333,7 @@ def exchange(pool, requests, stream=False, limit=None, **changes):
             while pool.calls < requests:
                 await asyncio.sleep(0.01)
             pool.go.set()
-            return await asyncio.gather(*sent), app[front_app.ADMISSION]
+            return await asyncio.gather(*sent), app[front_keys.ADMISSION]
 
     statuses, admission = asyncio.run(main())
     return statuses, admission.limit, admission
@@ -365,7 +366,7 @@ def test_a_request_still_sending_its_body_is_not_at_triton(script, seen):
     payload = json.dumps(body()).encode()
 
     async def main():
-        app[front_app.ADMISSION].limit = limit
+        app[front_keys.ADMISSION].limit = limit
         async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
             slow = []
             for _ in range(3):  # admitted, their bodies half sent
@@ -374,7 +375,7 @@ def test_a_request_still_sending_its_body_is_not_at_triton(script, seen):
                              b"Content-Length: %d\r\n\r\n" % len(payload) + payload[:100])
                 await writer.drain()
                 slow.append(writer)
-            while app[front_app.ADMISSION].now < 3:
+            while app[front_keys.ADMISSION].now < 3:
                 await asyncio.sleep(0.01)
             pool.go.set()
             async with session.post(f"http://127.0.0.1:{server.port}/v1/chat/completions", data=payload) as answer:
@@ -405,7 +406,7 @@ def test_the_images_in_flight_are_bounded_in_bytes_whatever_their_number():
                 await asyncio.sleep(0.01)
             refused = await asyncio.wait_for(one(), 10)  # a third image would pass the bytes allowed
             pool.go.set()
-            return [status for status, _, _ in await asyncio.gather(*held)], refused, app[front_app.IMAGES].now
+            return [status for status, _, _ in await asyncio.gather(*held)], refused, app[front_keys.IMAGES].now
 
     answered, (status, retry_after, error), left = asyncio.run(main())
     assert answered == [200, 200] and left == 0
@@ -533,7 +534,7 @@ def test_the_front_takes_the_queue_time_limit_once_triton_says_it(monkeypatch, c
 
         async def longest_queue_time_s(self, models):
             self.models = models
-            self.seen.append(app[front_app.ADMISSION].limit.queue_limit_s)
+            self.seen.append(app[front_keys.ADMISSION].limit.queue_limit_s)
             answer = said.pop(0) if len(said) > 1 else said[0]
             if isinstance(answer, Exception):
                 raise answer
@@ -544,7 +545,7 @@ def test_the_front_takes_the_queue_time_limit_once_triton_says_it(monkeypatch, c
 
     async def main():
         async with TestServer(app, host="127.0.0.1"):
-            limit = app[front_app.ADMISSION].limit
+            limit = app[front_keys.ADMISSION].limit
             for _ in range(500):
                 if limit.queue_limit_s == 5.0:
                     break

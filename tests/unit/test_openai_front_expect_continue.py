@@ -20,7 +20,7 @@ from test_openai_front import StalledPool, front_with, large_body, until
 from test_openai_front_hostile import serving
 from test_openai_front_refused_bodies import hold_the_slot
 
-from openai_front import app as front_app
+from openai_front import keys as front_keys
 from openai_front.triton import Answer
 from tools import overload
 
@@ -101,7 +101,7 @@ def run_beside_a_held_slot(app, pool, client):
             holder = await hold_the_slot(server, pool)
             try:
                 result = await in_thread(client, server.port)
-                admission = app[front_app.ADMISSION]
+                admission = app[front_keys.ADMISSION]
                 return result, (admission.now, admission.retry_after.refused, not pool.cancelled.is_set())
             finally:
                 holder.close()  # also when the client failed: the server's shutdown would wait on it
@@ -183,7 +183,7 @@ def test_an_admitted_client_gets_100_continue_then_its_answer_and_keeps_its_conn
     async def main():
         async with await serving(app) as server:
             result = await in_thread(client, server.port)
-            admission = app[front_app.ADMISSION]
+            admission = app[front_keys.ADMISSION]
             return result, (admission.now, len(admission.retry_after.finished.times), admission.retry_after.refused)
 
     (interim, (status, _, answer), next_status), figures = asyncio.run(main())
@@ -242,7 +242,7 @@ def test_aiohttps_own_client_with_expect100_is_refused_then_served():
                 refused = await asyncio.wait_for(post(), SOCKET_TIMEOUT_S)
             finally:
                 holder.close()
-            await until(lambda: app[front_app.ADMISSION].now == 0, "the holder left: its slot is free")
+            await until(lambda: app[front_keys.ADMISSION].now == 0, "the holder left: its slot is free")
             pool.stall = False
             return refused, await asyncio.wait_for(post(), SOCKET_TIMEOUT_S)
 
@@ -273,7 +273,7 @@ def test_the_c_generators_expect_mode_against_the_front_is_refused_then_served_a
                 refused = await asyncio.to_thread(phase, server.port)
             finally:
                 holder.close()
-            await until(lambda: app[front_app.ADMISSION].now == 0, "the holder left: its slot is free")
+            await until(lambda: app[front_keys.ADMISSION].now == 0, "the holder left: its slot is free")
             pool.stall = False
             return refused, await asyncio.to_thread(phase, server.port)
 
@@ -343,7 +343,7 @@ def test_the_openai_sdk_with_the_expect_header_is_refused_without_sending_its_bo
                 without = await refused(plain)
             finally:
                 holder.close()
-            await until(lambda: app[front_app.ADMISSION].now == 0, "the holder left: its slot is free")
+            await until(lambda: app[front_keys.ADMISSION].now == 0, "the holder left: its slot is free")
             pool.stall = False
             answer = await expecting.chat.completions.create(**request)
             for client in (expecting, plain):
@@ -376,7 +376,7 @@ def test_a_client_that_waits_is_refused_a_body_slot_before_100_continue():
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(head(expect=None) + PAYLOAD[:10])  # holds the one body slot
             await writer.drain()
-            await until(lambda: app[front_app.BODIES].now == 1, "the trickle holds the body slot")
+            await until(lambda: app[front_keys.BODIES].now == 1, "the trickle holds the body slot")
             try:
                 return await in_thread(client, server.port)
             finally:

@@ -21,6 +21,8 @@ from test_openai_front import StalledPool, body, front_with, until, value
 
 from openai_front import __main__ as front_main
 from openai_front import app as front_app
+from openai_front import body as front_body
+from openai_front import keys as front_keys
 from openai_front import malformed_http
 from openai_front.triton import Answer
 
@@ -32,7 +34,7 @@ async def serving(app):
     """A TestServer started with SERVER_OPTIONS and the front's logger for aiohttp's request handlers
     (its constructor drops them: start_server takes them)."""
     server = TestServer(app, host="127.0.0.1")
-    await server.start_server(**SERVER_OPTIONS, logger=malformed_http.logger(app[front_app.METRICS]))
+    await server.start_server(**SERVER_OPTIONS, logger=malformed_http.logger(app[front_keys.METRICS]))
     return server
 
 
@@ -83,8 +85,8 @@ def valid_request_is_served(port, pool):
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "GZIP"])
 def test_a_compressed_body_is_415_before_it_is_read_and_the_connection_closes(monkeypatch, encoding):
-    parsed, parse = [], front_app._parse_body
-    monkeypatch.setattr(front_app, "_parse_body", lambda raw, s: parsed.append(raw) or parse(raw, s))
+    parsed, parse = [], front_body.parse_body
+    monkeypatch.setattr(front_body, "parse_body", lambda raw, s: parsed.append(raw) or parse(raw, s))
     bomb = gzip.compress(b"\0" * (64 * 1024 * 1024))  # 64 MB of zeros in about 64 KB
     pool = StalledPool()
     app = front_with(pool)
@@ -104,7 +106,7 @@ def test_a_compressed_body_is_415_before_it_is_read_and_the_connection_closes(mo
 def test_a_declared_length_over_the_limit_is_413_at_once_without_reading_the_body():
     pool = StalledPool()
     app = front_with(pool, max_image_bytes=1024 * 1024)
-    limit = front_app.max_body_bytes(app[front_app.SETTINGS])
+    limit = front_body.max_body_bytes(app[front_keys.SETTINGS])
 
     async def main():
         async with await serving(app) as server:
@@ -124,7 +126,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_counted_as_413_not_500():
     413 before, but the request counter said 500 (what a 5xx alert reads)."""
     pool = StalledPool()
     app = front_with(pool, max_image_bytes=1024)
-    limit = front_app.max_body_bytes(app[front_app.SETTINGS])
+    limit = front_body.max_body_bytes(app[front_keys.SETTINGS])
     head = chat_head(b"Transfer-Encoding: chunked")
     chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
 
@@ -132,7 +134,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_counted_as_413_not_500():
         async with await serving(app) as server:
             answer = await raw_exchange(server.port, head, chunk * (limit // 0x10000 + 2) + b"0\r\n\r\n")
             await valid_request_is_served(server.port, pool)
-            return answer, app[front_app.METRICS].render()
+            return answer, app[front_keys.METRICS].render()
 
     (status, sent, _), metrics = asyncio.run(main())
     assert status == 413 and b"image_too_large" in sent
@@ -164,7 +166,7 @@ def dribbled(payload, piece_bytes, chunked):
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 @pytest.mark.parametrize("piece_bytes", [1_000_003, 65_536, 7_919])
 def test_a_body_arriving_in_pieces_reaches_the_pipeline_whole(chunked, piece_bytes):
-    """The front gathers a body's pieces itself (app.read_body): every byte, in order, once,
+    """The front gathers a body's pieces itself (body.read_body): every byte, in order, once,
     however it arrives. A 400 KB photo, sent whole, in 64 KiB pieces or in odd-sized ones
     with pauses between, with Content-Length or chunked."""
     image = bytes(range(251)) * 1_600
@@ -190,11 +192,11 @@ def test_a_body_arriving_in_pieces_reaches_the_pipeline_whole(chunked, piece_byt
 
 
 def peak_memory_reading_in_tiny_chunks(image, monkeypatch):
-    """(the traced memory's peak while the front reads (app.read_body) a request
+    """(the traced memory's peak while the front reads (body.read_body) a request
     whose body comes in 2-byte HTTP chunks, the body's length)."""
     payload = photo_payload(image)
     message = chat_head(b"Transfer-Encoding: chunked") + b"".join(dribbled(payload, 2, chunked=True))
-    pool, peaks, read_body = RecordingPool(), [], front_app.read_body
+    pool, peaks, read_body = RecordingPool(), [], front_body.read_body
 
     async def traced_read_body(request, limit, *args):
         # Only the read: orjson's parse next reserves 13 times the body (tracemalloc counts
@@ -204,7 +206,7 @@ def peak_memory_reading_in_tiny_chunks(image, monkeypatch):
         peaks.append(tracemalloc.get_traced_memory()[1])
         return raw
 
-    monkeypatch.setattr(front_app, "read_body", traced_read_body)
+    monkeypatch.setattr(front_body, "read_body", traced_read_body)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -263,7 +265,7 @@ def test_a_flood_of_requests_that_are_not_http_logs_a_line_a_second_and_counts_e
             await asyncio.sleep(malformed_http.INTERVAL_S)
             statuses.append((await raw_exchange(server.port, MALFORMED["a bad chunk size"]))[0])
             await valid_request_is_served(server.port, pool)
-            return statuses, app[front_app.METRICS].render()
+            return statuses, app[front_keys.METRICS].render()
 
     with caplog.at_level("INFO", logger="openai_front.http"):
         statuses, metrics = asyncio.run(main())
@@ -312,10 +314,10 @@ def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot():
         async with await serving(app) as server:
             slow = asyncio.create_task(raw_exchange(server.port, post_head(1000), b"{"))
             # Polled, not slept on: the slot is held from the first byte read until the deadline.
-            await until(lambda: app[front_app.BODIES].now == 1 or slow.done(), "the slow body is being read")
-            held = app[front_app.BODIES].now
+            await until(lambda: app[front_keys.BODIES].now == 1 or slow.done(), "the slow body is being read")
+            held = app[front_keys.BODIES].now
             status, sent, answered_s = await slow
-            freed = app[front_app.BODIES].now
+            freed = app[front_keys.BODIES].now
             await valid_request_is_served(server.port, pool)  # the one slot serves again
             return held, status, sent, answered_s, freed
 
@@ -338,9 +340,9 @@ def test_connections_that_send_only_their_head_hold_no_body_slot():
         async with await serving(app) as server:
             heads_only = [asyncio.create_task(raw_exchange(server.port, post_head(1000), read_timeout=10))
                           for _ in range(3)]
-            await until(lambda: app[front_app.METRICS].in_flight >= 3 or any(t.done() for t in heads_only),
+            await until(lambda: app[front_keys.METRICS].in_flight >= 3 or any(t.done() for t in heads_only),
                         "the three heads are in their handlers")
-            held = app[front_app.BODIES].now
+            held = app[front_keys.BODIES].now
             started = time.monotonic()
             await valid_request_is_served(server.port, pool)
             served_s = time.monotonic() - started
@@ -348,11 +350,11 @@ def test_connections_that_send_only_their_head_hold_no_body_slot():
 
     held, served_s, answers = asyncio.run(main())
     assert held == 0, "a head without a body holds no body slot"
-    assert served_s < front_app.BODY_SLOT_WAIT_S, "served at once, not after waiting for a slot"
+    assert served_s < front_body.BODY_SLOT_WAIT_S, "served at once, not after waiting for a slot"
     # Nor its admission for long: a body must start within the pace's grace second.
     assert [status for status, _, _ in answers] == [408] * 3
     assert all(b"OPENAI_FRONT_MIN_BODY_RATE" in sent for _, sent, _ in answers)
-    assert all(front_app.BODY_RATE_GRACE_S * 0.9 < answered_s < 4 for _, _, answered_s in answers), answers
+    assert all(front_body.BODY_RATE_GRACE_S * 0.9 < answered_s < 4 for _, _, answered_s in answers), answers
 
 
 def test_a_body_that_falls_behind_the_minimum_rate_is_408_after_its_grace_and_frees_its_slot():
@@ -364,15 +366,15 @@ def test_a_body_that_falls_behind_the_minimum_rate_is_408_after_its_grace_and_fr
     async def main():
         async with await serving(app) as server:
             trickle = asyncio.create_task(raw_exchange(server.port, post_head(1000), b"{", read_timeout=15))
-            await until(lambda: app[front_app.BODIES].now == 1 or trickle.done(), "the trickle holds the slot")
+            await until(lambda: app[front_keys.BODIES].now == 1 or trickle.done(), "the trickle holds the slot")
             status, sent, answered_s = await trickle
-            freed = app[front_app.BODIES].now
+            freed = app[front_keys.BODIES].now
             await valid_request_is_served(server.port, pool)
             return status, sent, answered_s, freed
 
     status, sent, answered_s, freed = asyncio.run(main())
     assert status == 408 and b"OPENAI_FRONT_MIN_BODY_RATE" in sent and b"Connection: close" in sent
-    assert front_app.BODY_RATE_GRACE_S < answered_s < 5, "cut after its grace, long before the body timeout"
+    assert front_body.BODY_RATE_GRACE_S < answered_s < 5, "cut after its grace, long before the body timeout"
     assert freed == 0
 
 
@@ -389,7 +391,7 @@ def test_image_url_fetches_past_the_limit_are_503_before_any_fetch(monkeypatch):
 
     async def main():
         async with await serving(app) as server:
-            app[front_app.FETCHES].now = 2  # two fetches under way
+            app[front_keys.FETCHES].now = 2  # two fetches under way
             return await raw_exchange(server.port, post_head(len(payload), connection="close") + payload)
 
     status, sent, _ = asyncio.run(main())

@@ -16,8 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from classify_describe_server import request_id as ids
 from prometheus_client.parser import text_string_to_metric_families
 
-from openai_front import access_log, settings
-from openai_front import app as front_app
+from openai_front import access_log, errors, settings
 from openai_front.triton import TritonPool
 
 from .test_openai_front import StalledPool, body, front_with
@@ -118,7 +117,7 @@ def test_a_raw_header_with_bytes_outside_ascii_is_replaced_not_echoed():
 def test_the_front_names_the_request_in_its_log_lines(caplog):
     class FailingPool(StalledPool):
         async def infer(self, *args, **kwargs):
-            raise front_app.unavailable("the inference server is unavailable; retry later")
+            raise errors.unavailable("the inference server is unavailable; retry later")
 
     with caplog.at_level(logging.WARNING, logger="openai_front"):
         (status, _, _), = asyncio.run(_ask(front_with(FailingPool()), [chat_request("logged-id")]))

@@ -20,7 +20,7 @@ from test_openai_front import StalledPool, body, front_with, large_body
 from test_openai_front_hostile import serving
 
 from openai_front import __main__ as front_main
-from openai_front import app as front_app
+from openai_front import keys as front_keys
 from tools import overload
 
 SOCKET_TIMEOUT_S = 15  # generous: only a hang reaches it on a loaded machine
@@ -66,7 +66,7 @@ def beside_a_held_slot(app, pool, client):
         async with await serving(app) as server:
             holder = await hold_the_slot(server, pool)
             result = await asyncio.to_thread(client, server.port)
-            held = app[front_app.ADMISSION].now == 1 and not pool.cancelled.is_set()
+            held = app[front_keys.ADMISSION].now == 1 and not pool.cancelled.is_set()
             holder.close()
             return result, held
 
