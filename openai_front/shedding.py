@@ -360,7 +360,7 @@ def discard_refused_bodies(max_bytes, within_s):
             async with asyncio.timeout(within_s):
                 # readchunk hands over each chunk as received; readany joins those waiting
                 # (a copy of what is dropped): the refusal's CPU fell by about a fifth
-                # (tools/refusal_cost.py, docs/reliability.md#overload).
+                # (docs/reliability.md#overload).
                 while left > 0 and not request.content.at_eof():
                     chunk, _ = await request.content.readchunk()
                     left -= len(chunk)

@@ -93,8 +93,7 @@ def test_the_report_shows_the_flags_or_says_they_were_not_recorded(tmp_path):
 def test_every_tool_that_writes_results_records_the_machine_through_the_helper():
     writers = ["tools/bench/run.py", "tools/bench/streaming.py", "tools/bench/openai_front.py", "tools/soak.py",
                "tools/overload.py", "tools/rehearse_scaling.py", "tools/classifier_accuracy.py",
-               "tools/classifier_latency.py", "tools/classify_before_after.py", "tools/int8_cross_cpu.py",
-               "tools/bench/vision_cpu.py", "tools/mutation/run.py", "tools/bench/cpu_profile.py"]
+               "tools/int8_cross_cpu.py", "tools/mutation/run.py", "tools/bench/cpu_profile.py"]
     for path in writers:
         tree = ast.parse((REPO / path).read_text())
         calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)

@@ -70,7 +70,7 @@ def _onnx(model_file):
             name, dims, dtype, top_k = "PIXELS", [3, 224, 224], np.dtype(np.uint8), 5
         # More than one thread: the session of the server's wide pass, whose workers spin between
         # ops (onnxruntime's default). One that sleeps between ops, as the server's narrow sessions,
-        # was a weaker baseline: 1.15x the time per image (tools/bench/wide_pass_spin.py, docs/benchmarks-method.md).
+        # was a weaker baseline: 1.15x the time per image (docs/benchmarks-method.md#where-the-cpu-goes).
         classifier = runtime.OnnxClassifier(
             pathlib.Path(repository) / "classifier/1" / model_file, name, dims, dtype, "SCORES", "LABELS", top_k,
             intra_op_threads=1, idle_intra_op_threads=threads)
