@@ -351,6 +351,13 @@ def _validate(s):
         raise ConfigError("invalid describe settings: " + "; ".join(problems))
 
 
+def vision_off(environ):
+    """Whether the environment switches the LLM's sight off (`<env_prefix>VISION=off`, the default
+    prefix): the image steps then never encode a VIEW. A describe model with its own env_prefix
+    reads its own vision setting; the image steps, which serve every describe model, read this one."""
+    return environ.get(f"{Settings.env_prefix}VISION", "").strip().lower() == "off"
+
+
 def shown_url(url):
     """`url` as a log or an error may show it: no user:password@ and no query (a
     gateway's ?key= or ?token=), which the scrubber's patterns would not all catch."""

@@ -27,6 +27,7 @@ from classify_describe_server.image_decode import ImagePreprocessor, InvalidImag
 from classify_describe_server.image_decode import parse_settings as decode_settings
 from classify_describe_server.image_steps import newest_version, split_parameters
 from classify_describe_server.model_log import Log
+from classify_describe_server.settings import vision_off
 from PIL import Image
 
 IMAGE_NAME = "IMAGE"
@@ -68,7 +69,7 @@ class TritonPythonModel:
         self.crop_size = settings.crop_size
         # VIEW only for a request that asks for it, and never encoded with LLM_VISION=off (decode_items).
         self.has_view = pb_utils.get_output_config_by_name(model_config, VIEW_NAME) is not None
-        self.vision_off = os.environ.get("LLM_VISION", "").strip().lower() == "off"
+        self.vision_off = vision_off(os.environ)
 
     def _load_classifier(self, args, model_config, settings, folder):
         tensors = self._tensors(model_config)
