@@ -264,7 +264,7 @@ if [[ -n "${TRITON_TRACE_OTLP_ENDPOINT:-}" ]]; then
   others=""
   (( trace_rate == 0 )) || others=" and 1 in $trace_rate of the others"
   echo "serve: tracing on: OpenTelemetry spans to ${trace_host##*@}; traced: requests with a traceparent$others" >&2
-  # The describe step's span for the LLM call (backends/openai_describe/llm_span.py):
+  # The describe step's span for the LLM call (backends/classify_describe_server/llm_span.py):
   # the models' Python stubs inherit tritonserver's environment, where the
   # OpenTelemetry SDK finds the same collector and service name.
   export OTEL_EXPORTER_OTLP_TRACES_ENDPOINT="$TRITON_TRACE_OTLP_ENDPOINT" \

@@ -3,7 +3,7 @@ loopback port (POST /v1/traces) that keeps every span it is sent.
 
 Triton 2.51's exporter (opentelemetry-cpp's OTLP/HTTP) posts OTLP/JSON
 (application/json, ids as lowercase hex); the describe step's LLM-call span
-(backends/openai_describe/llm_span.py, the Python SDK's exporter) comes as
+(backends/classify_describe_server/llm_span.py, the Python SDK's exporter) comes as
 OTLP protobuf (application/x-protobuf). Anything else is answered 400 and
 shown in wait_for's error."""
 

@@ -839,7 +839,7 @@ async def soak(args, workdir):
 
 # -- the verdict ----------------------------------------------------------------------
 
-# All written by the describe model's Metrics (backends/openai_describe/metrics.py)
+# All written by the describe model's Metrics (backends/classify_describe_server/metrics.py)
 # once it has served one LLM answer (some from its load on); by the end of the
 # run the server restarted in phase 5 has served many.
 DESCRIBE_FAMILIES = ("describe_requests_total", "describe_prompt_tokens_total", "describe_completion_tokens_total",

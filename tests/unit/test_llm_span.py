@@ -1,4 +1,4 @@
-"""The LLM call's span (backends/openai_describe/llm_span.py), on each way to
+"""The LLM call's span (backends/classify_describe_server/llm_span.py), on each way to
 serve, through the model with the OpenTelemetry SDK's in-memory exporter in
 place of OTLP: under Triton's span for the step, the upstream called under
 it, attributes that say how the call went and nothing of what was asked.

@@ -5,7 +5,7 @@
      ensemble:  tritonclient.http.aio -> classify_and_describe (IMAGE, PROMPT)
      two-step:  tritonclient.http.aio -> classify (IMAGE), then the client calls the
                 LLM itself with the openai SDK (AsyncOpenAI), sending the chat messages
-                the describe model would send (backends/openai_describe/prompting.py).
+                the describe model would send (backends/classify_describe_server/prompting.py).
    Both keep `concurrency` requests in flight for `duration_s` after a warm-up.
 2. The describe model's overhead over calling the upstream directly.
 """
