@@ -34,12 +34,15 @@ DECODED = ("content-encoding", "content-length", "transfer-encoding")
 class ChatEndpoint:
     """post() as the SDK's AsyncOpenAI.post, for the two calls the describe step makes."""
 
-    def __init__(self, sdk, max_connections, connect_timeout_s, max_response_bytes):
+    def __init__(self, sdk, max_connections, connect_timeout_s, max_response_bytes, keyless=False):
         self.sdk = sdk
         self.url = str(sdk.base_url).rstrip("/") + "/chat/completions"
+        # keyless: an endpoint that takes no key gets no Authorization header, not a made-up token
+        # (some servers check one they were not configured for); the SDK wants the omission said.
+        self.omitted = {"Authorization": openai.Omit()} if keyless else {}
         # What the SDK sends with every request: its key, User-Agent and platform headers (less
         # those it omits: an Omit value).
-        self.headers = {name: value for name, value in {**sdk.default_headers, **sdk.auth_headers}.items()
+        self.headers = {name: value for name, value in {**sdk.default_headers, **sdk.auth_headers, **self.omitted}.items()
                         if isinstance(value, str)}
         self.max_connections, self.connect_timeout_s = max_connections, connect_timeout_s
         self.max_response_bytes = max_response_bytes
@@ -48,6 +51,8 @@ class ChatEndpoint:
 
     def post(self, path, *, cast_to, options, body, stream=False, stream_cls=None):
         if stream:
+            if self.omitted:
+                options = {**options, "headers": {**options.get("headers", {}), **self.omitted}}
             return self.sdk.post(path, cast_to=cast_to, options=options, body=body, stream=True,
                                  stream_cls=stream_cls)
         return self._whole_answer(options, body)

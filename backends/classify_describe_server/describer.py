@@ -45,11 +45,11 @@ CHARS_PER_TOKEN = 16
 SHOWN_ERROR_CHARS = 2000
 
 NO_KEY_HELP = (
-    "no API key found in {where}: every description is the classification-only fallback "
-    "(DESCRIPTION_SOURCE=fallback, USAGE.fallback_reason=no_api_key). To use an LLM, set "
-    "{prefix}API_KEY (or {prefix}API_KEY_FILE, e.g. a Kubernetes secret mount) and "
-    "{prefix}BASE_URL / {prefix}MODEL for the endpoint; for a local vLLM or Ollama that "
-    "needs no key, set {prefix}API_KEY_REQUIRED=false. See docs/llm-endpoints.md."
+    "no API key found in {where}, and {url} needs one: every description is the classification-only "
+    "fallback (DESCRIPTION_SOURCE=fallback, USAGE.fallback_reason=no_api_key). To use it, set "
+    "{prefix}API_KEY (or {prefix}API_KEY_FILE, e.g. a Kubernetes secret mount); for another endpoint "
+    "set {prefix}BASE_URL / {prefix}MODEL (a local vLLM, Ollama or llama.cpp server is called without "
+    "a key). See docs/llm-endpoints.md."
 )
 
 
@@ -622,7 +622,9 @@ def make_client(settings, api_key):
         event_hooks={"response": [_bound_body(max_response_bytes)]},
     )
     # identity: what the byte limit counts is what is parsed (_bound_body refuses anything else).
-    sdk = openai.AsyncOpenAI(api_key=api_key, base_url=settings.base_url, max_retries=0,
+    # No key (an endpoint that takes none): the SDK insists on one, so it gets one that
+    # ChatEndpoint never sends (keyless: no Authorization header at all).
+    sdk = openai.AsyncOpenAI(api_key=api_key or "unsent", base_url=settings.base_url, max_retries=0,
                              timeout=settings.timeout_s, http_client=http_client,
                              default_headers={"Accept-Encoding": "identity"})
-    return ChatEndpoint(sdk, settings.max_in_flight, connect_s, max_response_bytes)
+    return ChatEndpoint(sdk, settings.max_in_flight, connect_s, max_response_bytes, keyless=not api_key)

@@ -37,6 +37,11 @@ TEMPLATE_FIELDS = {"prompt", "labels", "top_label"}
 ON_FAILURE = ("fallback", "error")
 VISION = ("off", "on", "auto")
 VISION_DETAIL = ("low", "high", "auto")
+KEY_REQUIRED = ("auto", "true", "false")
+# Hosted OpenAI-compatible APIs that refuse every call without a key (and their subdomains).
+KEYED_HOSTS = ("api.openai.com", "openai.azure.com", "api.deepseek.com", "api.holysheep.ai", "api.anthropic.com",
+               "openrouter.ai", "api.groq.com", "api.together.xyz", "api.mistral.ai", "api.fireworks.ai",
+               "generativelanguage.googleapis.com", "api.x.ai", "api.perplexity.ai")
 MAX_MODEL_NAME = 256
 # What a request's `model` may hold: the ids of OpenAI, DeepSeek, vLLM (Qwen/Qwen2-VL-7B-Instruct),
 # Ollama (llava:13b) and dated snapshots, no whitespace or control characters.
@@ -113,7 +118,9 @@ class Settings:
     model_prices: dict = field(default_factory=dict)
     api_key_env: str = ""  # empty: <env_prefix>API_KEY
     api_key_file: str = ""
-    api_key_required: bool = True
+    # auto: a key is needed only by the hosted APIs in KEYED_HOSTS; any other endpoint (a local
+    # vLLM, Ollama, llama.cpp, LM Studio) without a key is called without Authorization.
+    api_key_required: str = "auto"
     on_failure: str = "fallback"
     cache_enabled: bool = True
     cache_max_entries: int = 10000
@@ -176,6 +183,14 @@ class Settings:
         return Overrides(model, float(temperature), int(max_tokens), float(timeout_s))
 
     # -- the API key -------------------------------------------------------------
+
+    def needs_key(self):
+        """Whether the endpoint cannot be called without a key: api_key_required true, or auto
+        and base_url a hosted API (KEYED_HOSTS)."""
+        if self.api_key_required != "auto":
+            return self.api_key_required == "true"
+        host = (urlsplit(self.base_url).hostname or "").lower()
+        return any(host == known or host.endswith("." + known) for known in KEYED_HOSTS)
 
     def load_api_key(self, environ):
         """Return (key or None, where it was looked for). Never logs the key."""
@@ -249,7 +264,12 @@ def _convert(name, kind, text):
         if not math.isfinite(value):
             raise ValueError("must be finite")
         return value
-    if name in ("vision", "vision_detail", "on_failure"):
+    if name == "api_key_required" and text.strip().lower() != "auto":
+        try:
+            return "true" if _parse_bool(text) else "false"
+        except ValueError:
+            raise ValueError(f"expected auto, true or false, got {text!r}") from None
+    if name in ("vision", "vision_detail", "on_failure", "api_key_required"):
         return text.strip().lower()
     if name == "allowed_models":
         return tuple(p.strip() for p in text.split(",") if p.strip())
@@ -335,6 +355,8 @@ def _validate(s):
         problems.append(f"on_failure must be one of {ON_FAILURE}")
     if s.vision not in VISION:
         problems.append(f"vision must be one of {VISION}")
+    if s.api_key_required not in KEY_REQUIRED:
+        problems.append(f"api_key_required must be one of {KEY_REQUIRED}")
     if s.vision_detail not in VISION_DETAIL:
         problems.append(f"vision_detail must be one of {VISION_DETAIL}")
     if s.vision_refusal_memory_s < 0:

@@ -29,7 +29,6 @@ import triton_io as io
 from stream_adapter import PhotoStreamAdapter, StreamAdapter
 
 # Without an API key a local endpoint still wants some bearer string.
-NO_KEY_PLACEHOLDER = "no-key-required"
 CLASSIFY_THREADS = 32
 # The longest finalize waits for the LLM-call spans still queued to leave.
 SPANS_FLUSH_S = 5.0
@@ -56,11 +55,11 @@ class TritonPythonModel:
 
         api_key, key_source = s.load_api_key(os.environ)
         self.scrub = Scrubber(api_key)
-        if api_key is None and not s.api_key_required:
-            api_key = NO_KEY_PLACEHOLDER
-        if api_key is None:
-            # Said once, at load: every request would otherwise repeat it.
-            self.log.warn(NO_KEY_HELP.format(where=key_source, prefix=s.env_prefix))
+        # Without a key: an endpoint that needs one gets no call at all (the flagged no_api_key
+        # fallback, said once here); any other is called without Authorization.
+        keyless = api_key is None and not s.needs_key()
+        if api_key is None and not keyless:
+            self.log.warn(NO_KEY_HELP.format(where=key_source, prefix=s.env_prefix, url=shown_url(s.base_url)))
 
         self.metrics = io.metrics({"model": self.model_name, "version": args["model_version"]}, streams=decoupled)
         self.closing = False
@@ -78,7 +77,7 @@ class TritonPythonModel:
         self.spans = llm_span.from_environment(os.environ, self.log)
 
         async def build():
-            client = make_client(s, api_key) if api_key is not None else None
+            client = make_client(s, api_key) if api_key is not None or keyless else None
             return Describer(s, client, self.scrub, self.metrics, self.log, spans=self.spans)
 
         describer = asyncio.run_coroutine_threadsafe(build(), self.loop).result()
@@ -90,7 +89,7 @@ class TritonPythonModel:
             self.handler = (PhotoStreamAdapter if s.classify_model else StreamAdapter)(self.model_name, *parts)
         self.log.info(
             f"upstream {self.scrub(shown_url(s.base_url))} model {s.model}; key from {key_source}: "
-            f"{'found' if api_key not in (None, NO_KEY_PLACEHOLDER) else 'none'}; "
+            f"{'found' if api_key is not None else 'none, called without one' if keyless else 'none'}; "
             f"max_in_flight {s.max_in_flight}, timeout {s.timeout_s}s x {s.max_attempts} attempts, "
             f"cache {'on' if s.cache_enabled else 'off'}, on_failure {s.on_failure}"
             + ("; streaming (decoupled)" if decoupled else "")

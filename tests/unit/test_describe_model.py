@@ -137,10 +137,17 @@ def test_request_parameters_override_model_temperature_and_max_tokens(fake_pb_ut
         model.finalize()
 
 
-def test_without_a_key_it_serves_fallbacks_and_says_so_once(fake_pb_utils_module, fake, monkeypatch):
+@pytest.mark.parametrize("base_url, required", [
+    (None, "true"),                            # the operator says the endpoint needs a key
+    ("https://api.openai.com/v1", "auto"),     # a hosted API that needs one (never called here)
+    ("https://x.api.deepseek.com/v1", "auto"),  # and its subdomains
+])
+def test_without_a_key_an_endpoint_that_needs_one_serves_fallbacks_and_says_so_once(
+        fake_pb_utils_module, fake, monkeypatch, base_url, required):
     pb_utils = fake_pb_utils_module
-    model = make_model(monkeypatch, fake.base_url, key=None)
+    model = make_model(monkeypatch, base_url or fake.base_url, key=None, api_key_required=required)
     try:
+        assert model.handler.describer._client is None  # no call can be made, to any host
         reqs = [request(pb_utils) for _ in range(3)]
         model.execute(reqs)
         for r in reqs:
@@ -148,20 +155,40 @@ def test_without_a_key_it_serves_fallbacks_and_says_so_once(fake_pb_utils_module
             assert out["DESCRIPTION_SOURCE"] == "fallback" and out["DESCRIPTION"].startswith("Most likely a tabby")
             assert json.loads(out["USAGE"])["fallback_reason"] == "no_api_key"
         assert metric(model, pb_utils, "describe_fallbacks_total", outcome="fallback", reason="no_api_key") == 3
-        hints = [m for _, m in pb_utils.Logger.records if "LLM_API_KEY" in m and "LLM_BASE_URL" in m]
-        assert len(hints) == 1 and "API_KEY_REQUIRED=false" in hints[0]
+        hints = [m for _, m in pb_utils.Logger.records if "no API key found" in m]
+        assert len(hints) == 1 and "set LLM_API_KEY" in hints[0] and (base_url or fake.base_url) in hints[0]
         assert fake.stats()["requests"] == 0
     finally:
         model.finalize()
 
 
-def test_a_local_endpoint_needs_no_key(fake_pb_utils_module, fake, monkeypatch):
+@pytest.mark.parametrize("required", ["auto", "false", "0"])
+def test_an_endpoint_that_takes_no_key_is_called_without_authorization(fake_pb_utils_module, fake, monkeypatch,
+                                                                         required):
+    """A local vLLM, Ollama or llama.cpp server given as a base URL alone: no Authorization header
+    at all (not an empty or made-up bearer token), and the answer is the LLM's."""
     pb_utils = fake_pb_utils_module
-    model = make_model(monkeypatch, fake.base_url, key=None, api_key_required="false")
+    model = make_model(monkeypatch, fake.base_url, key=None, api_key_required=required)
     try:
         req = request(pb_utils)
         model.execute([req])
         assert outputs(req.get_response_sender().wait())["DESCRIPTION_SOURCE"] == "llm"
+        assert fake.stats()["authorizations"] == {"": 1}
+        assert not [m for _, m in pb_utils.Logger.records if "no API key found" in m]
+        assert any("key from environment variable LLM_API_KEY: none, called without one" in m
+                   for _, m in pb_utils.Logger.records)
+    finally:
+        model.finalize()
+
+
+def test_a_key_given_is_sent_to_any_endpoint(fake_pb_utils_module, fake, monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, api_key_required="false")
+    try:
+        req = request(pb_utils)
+        model.execute([req])
+        assert outputs(req.get_response_sender().wait())["DESCRIPTION_SOURCE"] == "llm"
+        assert fake.stats()["authorizations"] == {f"Bearer {KEY}": 1}
     finally:
         model.finalize()
 

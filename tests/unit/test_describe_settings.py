@@ -14,7 +14,7 @@ def test_defaults_point_at_openai():
 def test_config_values_are_typed():
     s = parse_settings({"max_tokens": "64", "temperature": "0.7", "api_key_required": "false",
                         "allowed_models": "gpt-4o*, claude-*", "model_prices": '{"gpt-4o": [2.5, 10]}'}, {})
-    assert s.max_tokens == 64 and s.temperature == 0.7 and s.api_key_required is False
+    assert s.max_tokens == 64 and s.temperature == 0.7 and s.api_key_required == "false"
     assert s.allowed_models == ("gpt-4o*", "claude-*")
     assert s.prices_for("gpt-4o") == (2.5, 10.0) and s.prices_for("other") == (0.15, 0.60)
 
@@ -80,3 +80,27 @@ def test_an_attempt_timeout_longer_than_the_request_is_refused_at_load():
     with pytest.raises(ConfigError, match="timeout_s must not exceed total_timeout_s"):
         parse_settings({"timeout_s": "40", "total_timeout_s": "30"}, environ={})
     assert parse_settings({"timeout_s": "30", "total_timeout_s": "30"}, environ={}).timeout_s == 30
+
+
+@pytest.mark.parametrize("base_url, required, needs", [
+    ("https://api.openai.com/v1", "auto", True),
+    ("https://API.OpenAI.com/v1", "auto", True),
+    ("https://myorg.openai.azure.com/openai", "auto", True),
+    ("https://api.deepseek.com", "auto", True),
+    ("https://api.holysheep.ai/v1", "auto", True),
+    ("https://evilapi.openai.com/v1", "auto", False),      # not a subdomain of a hosted API
+    ("https://api.openai.com.example.net/v1", "auto", False),
+    ("http://127.0.0.1:11434/v1", "auto", False),          # Ollama
+    ("http://vllm.llm.svc:8000/v1", "auto", False),        # a vLLM service in the cluster
+    ("http://127.0.0.1:11434/v1", "true", True),
+    ("https://api.openai.com/v1", "false", False),
+    ("https://api.openai.com/v1", "yes", True),
+])
+def test_whether_the_endpoint_needs_a_key(base_url, required, needs):
+    assert parse_settings({"base_url": base_url, "api_key_required": required}, {}).needs_key() is needs
+
+
+def test_api_key_required_defaults_to_auto_and_refuses_other_words():
+    assert parse_settings({}, {}).api_key_required == "auto"
+    with pytest.raises(ConfigError, match="'api_key_required'='maybe' is invalid: expected auto, true or false"):
+        parse_settings({"api_key_required": "maybe"}, {})

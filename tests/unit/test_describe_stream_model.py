@@ -20,9 +20,12 @@ def fake():
         yield fake
 
 
-def make_stream_model(monkeypatch, base_url, **params):
+def make_stream_model(monkeypatch, base_url, key=KEY, **params):
     monkeypatch.setenv("LLM_BASE_URL", base_url)
-    monkeypatch.setenv("LLM_API_KEY", KEY)
+    if key:
+        monkeypatch.setenv("LLM_API_KEY", key)
+    else:
+        monkeypatch.delenv("LLM_API_KEY", raising=False)
     config = {"name": "describe_stream", "max_batch_size": 1, "model_transaction_policy": {"decoupled": True},
               "parameters": {k: {"string_value": v} for k, v in {"cancel_poll_s": "0.05", **params}.items()}}
     model = load_model_module().TritonPythonModel()
@@ -422,3 +425,17 @@ def test_a_photo_stream_shows_the_llm_the_classify_models_view(fake_pb_utils_mod
         assert [(i["format"], i["width"], i["height"]) for i in images] == [("JPEG", 40, 30)]
         assert usage["vision"] is True
     assert responses[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)
+
+
+def test_a_stream_from_an_endpoint_that_takes_no_key_goes_without_authorization(fake_pb_utils_module, fake,
+                                                                                monkeypatch):
+    pb_utils = fake_pb_utils_module
+    model = make_stream_model(monkeypatch, fake.base_url, key=None)
+    try:
+        req = request(pb_utils, prompt="What is it?")
+        model.execute([req])
+        assert sent(req, pb_utils)[-1] == (["DESCRIPTION_SOURCE", "USAGE"], True)
+        assert req.get_response_sender().responses[-1].output("DESCRIPTION_SOURCE")[0][0] == b"llm"
+        assert fake.stats()["authorizations"] == {"": 1}
+    finally:
+        model.finalize()
