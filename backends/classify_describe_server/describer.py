@@ -24,6 +24,7 @@ from .prompting import build_messages, fallback_description
 from .request_id import HEADER
 from .resilience import (
     ANSWER_TOO_LONG,
+    IMAGE_FAILED,
     IMAGE_REFUSED,
     AnswerTooLarge,
     Cancelled,
@@ -32,6 +33,7 @@ from .resilience import (
     MalformedResponse,
     backoff_delay,
     classify_status,
+    image_may_be_why,
     refuses_image,
 )
 from .settings import Overrides
@@ -43,6 +45,10 @@ CHARS_PER_TOKEN = 16
 # Of an upstream error's text in a log line: its status and message are at the start; a body
 # quoted whole (up to the response's byte limit) would be hundreds of KB a line.
 SHOWN_ERROR_CHARS = 2000
+
+# How many image requests' text-only retries must answer before a model that never said it
+# takes no images is asked text-only (each such request gets its text-only answer anyway).
+IMAGE_FAILURES_TO_REMEMBER = 2
 
 NO_KEY_HELP = (
     "no API key found in {where}, and {url} needs one: every description is the classification-only "
@@ -205,6 +211,7 @@ class Describer:
         self._queued = 0
         self._breakers = {}
         self._image_refused_until = {}  # model -> until when it is asked text-only (vision=auto)
+        self._text_only_answers = {}  # model -> when an image request's text-only retry answered
         self._last_warned = {}
         self._cache = LRUCache(settings.cache_max_entries, settings.cache_ttl_s, clock) \
             if settings.cache_enabled else None
@@ -278,15 +285,21 @@ class Describer:
         reader = reader_for(job, messages)
         try:
             answer = await self._attempts(job, usage, is_cancelled, reader.attempt, reader.keeps_slot, span)
-            if answer == IMAGE_REFUSED and job.image is not None and self.settings.vision == "auto":
+            if answer in (IMAGE_REFUSED, IMAGE_FAILED) and job.image is not None and self.settings.vision == "auto":
                 # A model that takes no images: ask again text-only at once, and text-only
                 # for a while (the refusal cost a round trip; it must not cost one per request).
-                self._remember_image_refusal(job.model)
+                # One that said so is remembered at once; one that only failed, once a text-only
+                # retry has answered twice (one bad photo must not turn vision off for all).
+                said = answer == IMAGE_REFUSED
+                if said:
+                    self._remember_image_refusal(job.model)
                 job = job.text_only("refused_by_upstream")
                 messages = job.messages(self.settings)
                 key = job.cache_key(self.settings) if key is not None else None
                 reader = reader_for(job, messages)
                 answer = await self._attempts(job, usage, is_cancelled, reader.attempt, reader.keeps_slot, span)
+                if not said and not isinstance(answer, str):
+                    self._text_only_answered(job.model)
             if isinstance(answer, str):
                 return self._fallback(job, usage, answer, emit)
             text, finish_reason, failure = await reader.read(answer)
@@ -352,7 +365,7 @@ class Describer:
                 except Cancelled:
                     raise
                 except Exception as exc:  # every failure becomes a decision below, never a crash
-                    failure = self.classify_failure(exc, job.request_id)
+                    failure = self.classify_failure(exc, job.request_id, image=job.image is not None)
                 else:
                     failure = None
             except BaseException:
@@ -458,15 +471,18 @@ class Describer:
 
     # -- decisions and bookkeeping ---------------------------------------------------
 
-    def classify_failure(self, exc, request_id=None):
+    def classify_failure(self, exc, request_id=None, image=False):
         """The Failure an upstream attempt's exception stands for (rate-limited warning logged,
-        naming the request whose attempt it was)."""
+        naming the request whose attempt it was); `image`: the attempt carried the photo."""
         if _caused_by(exc, AnswerTooLarge):  # raised under the SDK, which wraps it
             failure = ANSWER_TOO_LONG
         elif _caused_by(exc, MalformedResponse):  # the same: from _bound_body, under the SDK
             failure = Failure("malformed_response", retryable=True)
         elif isinstance(exc, openai.APIStatusError) and refuses_image(exc.status_code, exc.body, exc.message):
             failure = Failure(IMAGE_REFUSED, retryable=False, upstream_fault=False)
+        elif (isinstance(exc, openai.APIStatusError) and image and self.settings.vision == "auto"
+              and image_may_be_why(exc.status_code)):
+            failure = Failure(IMAGE_FAILED, retryable=False, upstream_fault=False)
         elif isinstance(exc, openai.APIStatusError):
             failure = classify_status(exc.status_code, exc.response.headers)
         elif isinstance(exc, (TimeoutError, openai.APIConnectionError)):
@@ -514,6 +530,16 @@ class Describer:
     def _refused_image(self, model):
         until = self._image_refused_until.get(model)
         return until is not None and self._clock() < until
+
+    def _text_only_answered(self, model):
+        """An image request failed and its text-only retry answered: the second time within
+        vision_refusal_memory_s, the model is asked text-only from now on for that long."""
+        now, memory = self._clock(), self.settings.vision_refusal_memory_s
+        recent = [t for t in self._text_only_answers.get(model, ()) if now - t < memory] + [now]
+        self._text_only_answers[model] = recent
+        if len(recent) >= IMAGE_FAILURES_TO_REMEMBER:
+            del self._text_only_answers[model]
+            self._remember_image_refusal(model)
 
     def _remember_image_refusal(self, model):
         self._image_refused_until[model] = self._clock() + self.settings.vision_refusal_memory_s

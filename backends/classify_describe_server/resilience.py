@@ -10,6 +10,11 @@ from dataclasses import dataclass
 NO_RETRY_STATUS = {400, 401, 403, 404, 422}
 # The reason of an attempt whose model refused the image part (vision=auto then asks text-only).
 IMAGE_REFUSED = "image_refused_by_upstream"
+# The reason of an image request's attempt that failed as a request without the image may not:
+# a server that takes no list content or no images and says so in words of its own (llama.cpp's
+# 500, Groq's 400 "'messages.1.content' : value must be a string"). vision=auto asks again
+# text-only; never the upstream's fault, so it opens no circuit.
+IMAGE_FAILED = "image_request_failed"
 # What upstreams say when a model takes no images: OpenAI "... does not support image input" /
 # "image_url is only supported by certain models", vLLM "... is not a multimodal model" / "At most 0
 # image(s) may be provided", DeepSeek "unknown variant `image_url`", and the like. Both a word for
@@ -18,7 +23,8 @@ IMAGE_REFUSED = "image_refused_by_upstream"
 _IMAGE_WORDS = ("image", "multimodal", "vision")
 _REFUSAL_PHRASES = ("not support", "n't support", "only supported", "not a multimodal", "not multimodal",
                     "not a vision", "unknown variant", "unsupported content type", "at most 0",
-                    "missing data required for image input", "not enabled", "not available for this model")
+                    "missing data required for image input", "not enabled", "not available for this model",
+                    "unsupported content part", "must be a string")
 
 
 def refuses_image(status, body, message):
@@ -27,6 +33,13 @@ def refuses_image(status, body, message):
         return False
     text = f"{message} {body}".lower()
     return any(word in text for word in _IMAGE_WORDS) and any(phrase in text for phrase in _REFUSAL_PHRASES)
+
+
+def image_may_be_why(status):
+    """Whether an image request answered `status` may succeed without the image: any 4xx but
+    authentication, a wrong path, a timeout, a conflict and rate limits (the same text-only), or
+    a 500 or 501 (a server whose template cannot take the parts); 502-504 are its availability."""
+    return (400 <= status < 500 and status not in (401, 403, 404, 408, 409, 429)) or status in (500, 501)
 
 
 class Cancelled(Exception):

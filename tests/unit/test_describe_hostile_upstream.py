@@ -118,7 +118,7 @@ def test_a_failure_that_cannot_be_read_keeps_neither_the_slot_nor_the_circuits_p
     async def test(d, obs, log):
         original, calls = d.classify_failure, []
 
-        def broken(exc, request_id=None):
+        def broken(exc, request_id=None, image=False):
             calls.append(exc)
             raise RuntimeError("could not read the failure")
         d.classify_failure = broken

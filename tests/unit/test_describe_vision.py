@@ -82,6 +82,54 @@ def test_auto_retries_text_only_at_once_and_remembers_the_refusal():
     run(test, vision="auto", allowed_models="gpt-4o-mini*")
 
 
+# How real servers refuse list content or images, besides OpenAI's words.
+WORDINGS = {
+    "llama.cpp server": dict(refusal_status=500, refusal_message='can only concatenate str (not "list") to str',
+                             refuse_lists=True),
+    "unsupported part": dict(refusal_status=500, refusal_message='Unsupported content part type: "image_url"'),
+    "groq": dict(refusal_status=400, refusal_message="'messages.1.content' : value must be a string", refuse_lists=True),
+    "pydantic": dict(refusal_status=422, refusal_message="1 validation error: Input should be a valid string"),
+}
+
+
+@pytest.mark.parametrize("wording", WORDINGS, ids=list(WORDINGS))
+def test_auto_recovers_from_an_upstream_that_cannot_take_the_photo_however_it_says_so(wording):
+    """Each image request is answered text-only at once; the model is asked text-only from the
+    second such answer on (at once where it said so in words we know), every attempt is counted,
+    and no circuit opens: text-only traffic goes on."""
+    async def test(fake, d, obs, log):
+        fake.set_mode("no_vision", **WORDINGS[wording])
+        first = [await d.describe(job(prompt=f"photo {i}")) for i in range(2)]
+        for r in first:
+            assert r.source == "llm" and r.usage.vision is False and r.usage.vision_skipped_reason == "refused_by_upstream"
+        assert [r.usage.attempts for r in first][0] == 2
+        r = await d.describe(job(prompt="remembered"))
+        assert r.source == "llm" and r.usage.attempts == 1 and fake.stats["images"][-1] == []
+        assert any(reason in ("image_refused_by_upstream", "image_request_failed") for reason in obs.attempts)
+        assert d._breaker("gpt-4o-mini").state == "closed"
+        text = await d.describe(job(image=None, prompt="text only", vision_skipped="off"))
+        assert text.source == "llm", (text.usage.fallback_reason, obs.attempts)
+    run(test, vision="auto", circuit_failure_threshold="1")
+
+
+def test_one_photo_the_upstream_cannot_use_does_not_turn_vision_off():
+    async def test(fake, d, obs, log):
+        fake.set_mode("no_vision", count=1, refusal_status=400, refusal_message="Invalid image: exceeds max size")
+        r = await d.describe(job(prompt="a"))
+        assert r.source == "llm" and r.usage.vision is False and r.usage.attempts == 2
+        assert (await d.describe(job(prompt="b"))).usage.vision is True
+    run(test, vision="auto")
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 429, 502, 503, 504])
+def test_a_failure_that_is_not_the_photos_is_not_retried_text_only(status):
+    async def test(fake, d, obs, log):
+        fake.set_mode("no_vision", refusal_status=status, refusal_message="nope")
+        r = await d.describe(job())
+        assert r.source == "fallback" and fake.stats["images"][-1] != [] and all(fake.stats["images"])
+    run(test, vision="auto", max_attempts="1")
+
+
 def test_the_refusal_is_forgotten_after_the_memory():
     async def test(fake, d, obs, log):
         fake.set_mode("no_vision", count=1)

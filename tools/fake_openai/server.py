@@ -36,7 +36,11 @@ counts them; a plain request gets the "huge" answer).
 
 "no_vision" answers a request that carries an image part with OpenAI's 400
 ("... does not support image input", invalid_request_error), like a text-only
-model; text-only requests are answered as "ok". An image part costs 85 prompt
+model; text-only requests are answered as "ok". `refusal_status` and
+`refusal_message` change that answer to how other servers say it (llama.cpp's
+500, Groq's 400 "'messages.1.content' : value must be a string"), and with
+`refuse_lists` any message whose content is a list of parts is refused so, as
+servers whose chat template takes strings only do. An image part costs 85 prompt
 tokens at detail "low" and 765 otherwise (OpenAI's count for a 768 px photo).
 A request with response_format json_object or json_schema is answered with a
 JSON object {"description": <the answer>}.
@@ -122,6 +126,7 @@ class FakeOpenAI:
         self.retry_after = 1.0
         self.count = None
         self.hold_for = None
+        self.refusal = (400, None, False)
         self._held = asyncio.Event()
         self._stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
@@ -135,9 +140,11 @@ class FakeOpenAI:
         return _inspected(self._stats)
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
-                 chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None, hold_for=None):
+                 chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None, hold_for=None,
+                 refusal_status=400, refusal_message=None, refuse_lists=False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
+        self.refusal = (int(refusal_status), refusal_message, bool(refuse_lists))
         if hold_for is not None:
             self.hold_for = int(hold_for)
             self._held = asyncio.Event()
@@ -202,8 +209,10 @@ class FakeOpenAI:
                 await self._held.wait()
             if self.latency_ms:
                 await asyncio.sleep(self.latency_ms / 1000.0)
-            if mode == "no_vision" and images:
-                return _error(400, f"The model `{body.get('model', '')}` does not support image input.",
+            status, message, refuse_lists = self.refusal
+            lists = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in body.get("messages", []))
+            if mode == "no_vision" and (images or (refuse_lists and lists)):
+                return _error(status, message or f"The model `{body.get('model', '')}` does not support image input.",
                               None, error_type="invalid_request_error")
             return await self._answer(mode, request, body)
         except (asyncio.CancelledError, ConnectionResetError):
@@ -336,7 +345,8 @@ class FakeOpenAI:
             self.set_mode(payload.get("mode", "ok"), payload.get("latency_ms"), payload.get("retry_after"),
                           payload.get("count"), payload.get("duration_s", 3.0), payload.get("chunk_ms"),
                           payload.get("answer_words"), payload.get("cut_after"), payload.get("huge_chars"),
-                          payload.get("hold_for"))
+                          payload.get("hold_for"), payload.get("refusal_status", 400), payload.get("refusal_message"),
+                          payload.get("refuse_lists", False))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(self._describe_mode())
