@@ -31,8 +31,8 @@ class Usage:
     # step receiving the request to the first text chunk sent, and the chunks sent.
     time_to_first_token_ms: float = None
     chunks: int = None
-    # True when some of the tokens above are estimated (estimated_tokens): a stream cut
-    # short before its usage chunk was billed upstream all the same. Left out otherwise.
+    # True when some of the tokens above are estimated (billed_tokens): an answer, whole or
+    # streamed, cut short or complete, that came without usage. Left out otherwise.
     tokens_estimated: bool = None
 
     def to_json(self):
@@ -56,6 +56,17 @@ def cost_usd(prompt_tokens, completion_tokens, price_input_per_million, price_ou
 
 # More tokens than any model's context holds: a count past it is not a count.
 MAX_REPORTED_TOKENS = 100_000_000
+
+
+def billed_tokens(reported, messages, answer_chars):
+    """(prompt, completion, estimated) for one answer the upstream sent, whole or streamed,
+    complete or cut short: its usage as reported, or, where it sent none that can be read (a
+    local server's stream, a stream cut before its usage chunk), an estimate from the prompt's
+    text and the answer's (estimated_tokens). The one rule for both paths."""
+    if reported is not None and any(_token_count(getattr(reported, name, None))
+                                    for name in ("prompt_tokens", "completion_tokens")):
+        return (*tokens_from(reported), False)
+    return estimated_tokens(message_chars(messages)), estimated_tokens(answer_chars), True
 
 
 def tokens_from(usage):

@@ -17,7 +17,7 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletion
 
-from .accounting import Usage, cost_usd, finish_reason_of, tokens_from
+from .accounting import Usage, billed_tokens, cost_usd, finish_reason_of
 from .chat_endpoint import ChatEndpoint
 from .llm_cache import LRUCache, cache_key
 from .prompting import build_messages, fallback_description
@@ -145,7 +145,7 @@ class Call:
     messages: list
     usage: Usage
     wait: object           # await wait(awaitable, timeout): honours cancellation
-    bill: object           # bill(sdk_usage): adds to usage
+    bill: object           # bill(sdk_usage or None, answer_chars): adds to usage (accounting.billed_tokens)
     classify_failure: object
     release_slot: object
     is_cancelled: object
@@ -169,7 +169,8 @@ class WholeAnswer:
         # (the SDK's own post() cost 5x its CPU: chat_endpoint.py).
         response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options=c.job.options(timeout),
                                               body=c.job.body(c.messages)), timeout)
-        c.bill(getattr(response, "usage", None))  # an answer we cannot use is billed all the same
+        # An answer we cannot use is billed all the same.
+        c.bill(getattr(response, "usage", None), len(_content_of(response)))
         return _answer_text(response), finish_reason_of(response)
 
     async def read(self, answer):
@@ -276,7 +277,7 @@ class Describer:
         def reader_for(job, messages):
             call = Call(self._client, job, messages, usage,
                         lambda task, timeout: self._wait(task, timeout, is_cancelled),
-                        lambda reported: self._bill(job, usage, reported),
+                        lambda reported, answer_chars: self._bill(job, messages, usage, reported, answer_chars),
                         lambda exc: self.classify_failure(exc, job.request_id), self._release_slot,
                         is_cancelled, self._clock, started + self.settings.total_timeout_s,
                         answer_chars_limit(self.settings, job.overrides))
@@ -499,9 +500,12 @@ class Describer:
                                 f"{type(exc).__name__}: {self.scrub(exc)[:SHOWN_ERROR_CHARS]}", request_id)
         return failure
 
-    def _bill(self, job, usage, reported):
-        """Add what the upstream reported (an SDK usage object, or None) to `usage`."""
-        prompt_tokens, completion_tokens = tokens_from(reported)
+    def _bill(self, job, messages, usage, reported, answer_chars):
+        """Add one answer's tokens to `usage`: what the upstream reported (an SDK usage object),
+        or the estimate where it reported none (accounting.billed_tokens)."""
+        prompt_tokens, completion_tokens, estimated = billed_tokens(reported, messages, answer_chars)
+        if estimated:
+            usage.tokens_estimated = True
         usage.prompt_tokens += prompt_tokens
         usage.completion_tokens += completion_tokens
         usage.total_tokens += prompt_tokens + completion_tokens
@@ -619,6 +623,15 @@ def _caused_by(exc, kind):
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def _content_of(response):
+    """choices[0].message.content when it is text, else ''."""
+    try:
+        text = response.choices[0].message.content
+    except (AttributeError, IndexError, TypeError):
+        return ""
+    return text if isinstance(text, str) else ""
 
 
 def _answer_text(response):

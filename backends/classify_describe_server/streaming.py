@@ -5,12 +5,11 @@ tokens); an attempt lasts until the first piece of text, so retries happen
 only before it. Knows nothing about Triton.
 """
 
-from types import SimpleNamespace
 
 from openai import AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
-from .accounting import estimated_tokens, finish_reason_of, message_chars
+from .accounting import finish_reason_of
 from .resilience import ANSWER_TOO_LONG, Cancelled, MalformedResponse
 
 
@@ -53,7 +52,7 @@ class StreamedAnswer:
                     return text, stream, finish_reason_of(chunk)
         except BaseException:
             await _close(stream)
-            self._settle(ended=False)
+            self._settle()
             raise
 
     async def read(self, answer):
@@ -63,19 +62,17 @@ class StreamedAnswer:
         first, stream, finish_reason = answer.value
         parts = []
         read_from = c.clock()
-        ended = False  # read to the upstream's own end
         try:
             if self._keep(parts, first):
                 failure, finish_reason = await self._read_rest(stream, parts, finish_reason)
             else:
                 failure, finish_reason = ANSWER_TOO_LONG, "length"
-            ended = failure is None
         finally:
             try:
                 # Closing the response closes its connection: the upstream stops generating (and billing).
                 await _close(stream)
             finally:  # a cancellation while it closes must not keep the slot or skip the bill
-                self._settle(ended)
+                self._settle()
                 c.release_slot()
                 c.usage.upstream_latency_ms += (c.clock() - read_from) * 1000.0
         return "".join(parts), finish_reason, failure
@@ -121,21 +118,15 @@ class StreamedAnswer:
         if getattr(chunk, "usage", None) is not None:
             self.reported = chunk.usage
 
-    def _settle(self, ended):
-        """Bill the stream once, as it closes: its last usage chunk. One that ended
-        before any (cut, timed out, cancelled) was billed upstream all the same:
-        estimate its tokens from the prompt and the text it sent, and say so in
-        USAGE (tokens_estimated). A whole stream without usage is not estimated."""
+    def _settle(self):
+        """Bill the stream once, as it closes: its last usage chunk, or, without one (a
+        server that sends none, a stream cut, timed out or cancelled before it, which the
+        upstream billed all the same), the estimate from the prompt and the text it sent
+        (accounting.billed_tokens, as a whole answer without usage)."""
         if self.billed:
             return
         self.billed = True
-        c = self.call
-        if self.reported is not None:
-            c.bill(self.reported)
-        elif not ended:
-            c.bill(SimpleNamespace(prompt_tokens=estimated_tokens(message_chars(c.messages)),
-                                   completion_tokens=estimated_tokens(self.read_chars)))
-            c.usage.tokens_estimated = True
+        self.call.bill(self.reported, self.read_chars)
 
 
 async def _next(stream):

@@ -1,8 +1,9 @@
-"""Billing of streams cut short (issue 17, item 6): a stream that ends before its
-usage chunk (the upstream dropped the connection, a chunk timed out, the client
-cancelled, the answer ran past its limit) was billed upstream all the same. Its
-tokens are estimated from the prompt and the text it sent (4 characters a
-token), flagged tokens_estimated in USAGE, and counted in cost and metrics."""
+"""Billing of answers without usage: a stream that ends before its usage chunk (the
+upstream dropped the connection, a chunk timed out, the client cancelled, the answer
+ran past its limit) was billed upstream all the same, and some servers send no usage
+at all, whole or streamed. Their tokens are estimated from the prompt and the text
+(4 characters a token), flagged tokens_estimated in USAGE, and counted in cost and
+metrics, by one rule for both paths (accounting.billed_tokens)."""
 
 import json
 import math
@@ -75,4 +76,22 @@ def test_a_whole_stream_is_billed_from_its_usage_chunk_not_estimated():
         chunks, r = await stream(d)
         assert r.source == "llm" and r.usage.tokens_estimated is None and r.usage.completion_tokens == 12
         assert "tokens_estimated" not in json.loads(r.usage.to_json())
+    run(test)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+def test_an_answer_without_usage_is_billed_by_estimate_the_same_on_both_paths(streamed):
+    """A local server that sends no usage (in the answer or as the stream's last chunk): the
+    answer is kept and billed from the prompt and its text, flagged, and what USAGE shows is
+    what the metrics count."""
+    async def test(fake, d, obs):
+        fake.set_mode("ok", answer_words=12, usage=False)
+        if streamed:
+            chunks, r = await stream(d)
+            text = "".join(chunks)
+        else:
+            r = await d.describe(job())
+            text = r.description
+        assert r.source == "llm" and r.usage.attempts == 1
+        assert_estimated(d, obs, r.usage, text)
     run(test)

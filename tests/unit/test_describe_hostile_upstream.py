@@ -204,8 +204,9 @@ def test_token_counts_that_are_not_counts_cost_nothing():
     assert tokens_from(SimpleNamespace(prompt_tokens="12", completion_tokens=3.0)) == (12, 3)
 
 
-def test_an_answer_with_unreadable_usage_is_kept_and_costs_nothing():
-    """int("five") raised in the bill: a good answer thrown away, retried (each billed upstream)."""
+def test_an_answer_with_unreadable_usage_is_kept_and_billed_as_estimated():
+    """int("five") raised in the bill: a good answer thrown away, retried (each billed upstream).
+    Counts that are not counts are no usage: estimated, as an answer without any, and said so."""
     whole = answer(body=completion(usage={"prompt_tokens": -1000000000, "completion_tokens": "five"}))
     stream = stream_answer(events(chunk("A tabby cat.", finish_reason="stop"),
                                   chunk(usage={"prompt_tokens": "n/a", "completion_tokens": 1e29})))
@@ -214,8 +215,9 @@ def test_an_answer_with_unreadable_usage_is_kept_and_costs_nothing():
         return await d.describe(job()), await streamed(d, job(prompt="streamed"))
     plain, (chunks, streamed_result) = run(test, Upstream(whole, stream))
     for result in (plain, streamed_result):
-        assert result.source == "llm" and result.usage.attempts == 1
-        assert (result.usage.prompt_tokens, result.usage.completion_tokens, result.usage.cost_usd) == (0, 0, 0.0)
+        assert result.source == "llm" and result.usage.attempts == 1 and result.usage.tokens_estimated is True
+        assert result.usage.prompt_tokens > 0 and result.usage.completion_tokens == 3  # "A tabby cat.", 4 a token
+        assert result.usage.cost_usd > 0
 
 
 def test_a_lone_surrogate_in_a_stream_is_a_replacement_character():

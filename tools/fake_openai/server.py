@@ -40,7 +40,8 @@ model; text-only requests are answered as "ok". `refusal_status` and
 `refusal_message` change that answer to how other servers say it (llama.cpp's
 500, Groq's 400 "'messages.1.content' : value must be a string"), and with
 `refuse_lists` any message whose content is a list of parts is refused so, as
-servers whose chat template takes strings only do. An image part costs 85 prompt
+servers whose chat template takes strings only do. `usage` false leaves the
+usage out of answers and streams, as some local servers do. An image part costs 85 prompt
 tokens at detail "low" and 765 otherwise (OpenAI's count for a 768 px photo).
 A request with response_format json_object or json_schema is answered with a
 JSON object {"description": <the answer>}.
@@ -127,6 +128,7 @@ class FakeOpenAI:
         self.count = None
         self.hold_for = None
         self.refusal = (400, None, False)
+        self.sends_usage = True
         self._held = asyncio.Event()
         self._stats = {"requests": 0, "in_flight": 0, "max_in_flight": 0, "answered_ok": 0,
                       "disconnected": 0, "disconnect_times": [], "last_authorization": None,
@@ -141,9 +143,10 @@ class FakeOpenAI:
 
     def set_mode(self, mode="ok", latency_ms=None, retry_after=None, count=None, duration_s=3.0,
                  chunk_ms=None, answer_words=None, cut_after=None, huge_chars=None, hold_for=None,
-                 refusal_status=400, refusal_message=None, refuse_lists=False):
+                 refusal_status=400, refusal_message=None, refuse_lists=False, usage=True):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}")
+        self.sends_usage = bool(usage)
         self.refusal = (int(refusal_status), refusal_message, bool(refuse_lists))
         if hold_for is not None:
             self.hold_for = int(hold_for)
@@ -282,7 +285,7 @@ class FakeOpenAI:
             "model": body.get("model", ""),
             "choices": [{"index": 0, "finish_reason": _finish_reason(body, usage),
                          "message": {"role": "assistant", "content": content}}],
-            "usage": usage,
+            **({"usage": usage} if self.sends_usage else {}),
         })
 
     async def _stream(self, request, body, cut_after=None, huge=False):
@@ -311,7 +314,7 @@ class FakeOpenAI:
             delta = {"role": "assistant", "content": word} if index == 0 else {"content": word}
             await event(dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": None}]))
         await event(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": _finish_reason(body, usage)}]))
-        if (body.get("stream_options") or {}).get("include_usage"):
+        if (body.get("stream_options") or {}).get("include_usage") and self.sends_usage:
             await event(dict(base, choices=[], usage=usage))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -346,7 +349,7 @@ class FakeOpenAI:
                           payload.get("count"), payload.get("duration_s", 3.0), payload.get("chunk_ms"),
                           payload.get("answer_words"), payload.get("cut_after"), payload.get("huge_chars"),
                           payload.get("hold_for"), payload.get("refusal_status", 400), payload.get("refusal_message"),
-                          payload.get("refuse_lists", False))
+                          payload.get("refuse_lists", False), payload.get("usage", True))
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         return web.json_response(self._describe_mode())
