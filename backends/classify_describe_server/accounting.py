@@ -14,7 +14,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    cost_usd: float = 0.0
+    cost_usd: float = 0.0  # None: the model's price is unknown (settings.prices_for)
     upstream_latency_ms: float = 0.0  # time spent waiting on upstream attempts (not back-off)
     attempts: int = 0
     cached: bool = False
@@ -37,7 +37,7 @@ class Usage:
 
     def to_json(self):
         fields = asdict(self)
-        fields["cost_usd"] = round(self.cost_usd, 9)
+        fields["cost_usd"] = None if self.cost_usd is None else round(self.cost_usd, 9)
         fields["upstream_latency_ms"] = round(self.upstream_latency_ms, 1)
         for name in STREAM_FIELDS:
             if fields[name] is None:
@@ -50,8 +50,17 @@ class Usage:
 STREAM_FIELDS = ("time_to_first_token_ms", "chunks", "tokens_estimated")
 
 
-def cost_usd(prompt_tokens, completion_tokens, price_input_per_million, price_output_per_million):
+def cost_usd(prompt_tokens, completion_tokens, prices):
+    """USD for the tokens at `prices` (input, output per million), None when prices is None."""
+    if prices is None:
+        return None
+    price_input_per_million, price_output_per_million = prices
     return (prompt_tokens * price_input_per_million + completion_tokens * price_output_per_million) / 1e6
+
+
+def add_cost(total, cost):
+    """A running cost plus one more: unknown (None) once any part is."""
+    return None if total is None or cost is None else total + cost
 
 
 # More tokens than any model's context holds: a count past it is not a count.

@@ -17,7 +17,7 @@ import httpx2
 import openai
 from openai.types.chat import ChatCompletion
 
-from .accounting import Usage, billed_tokens, cost_usd, finish_reason_of
+from .accounting import Usage, add_cost, billed_tokens, cost_usd, finish_reason_of
 from .chat_endpoint import ChatEndpoint
 from .llm_cache import LRUCache, cache_key
 from .prompting import build_messages, fallback_description
@@ -509,7 +509,8 @@ class Describer:
         usage.prompt_tokens += prompt_tokens
         usage.completion_tokens += completion_tokens
         usage.total_tokens += prompt_tokens + completion_tokens
-        usage.cost_usd += cost_usd(prompt_tokens, completion_tokens, *self.settings.prices_for(job.model))
+        usage.cost_usd = add_cost(usage.cost_usd, cost_usd(prompt_tokens, completion_tokens,
+                                                           self.settings.prices_for(job.model)))
 
     def _fallback(self, job, usage, reason, emit=None):
         usage.fallback_reason = reason

@@ -131,7 +131,8 @@ class Metrics(Observer):
         if usage is not None and usage.total_tokens:
             self._add(self._metric(self.prompt_tokens, upstream_model=model), usage.prompt_tokens)
             self._add(self._metric(self.completion_tokens, upstream_model=model), usage.completion_tokens)
-            self._add(self._metric(self.cost, upstream_model=model), usage.cost_usd)
+            if usage.cost_usd is not None:  # an unknown price counts no cost, not a made-up one
+                self._add(self._metric(self.cost, upstream_model=model), usage.cost_usd)
 
     def attempt_done(self, model, latency_s, reason):
         metric = self._metric(self.latency, buckets=LATENCY_BUCKETS_S, upstream_model=model, result=reason)

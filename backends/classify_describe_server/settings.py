@@ -38,6 +38,19 @@ ON_FAILURE = ("fallback", "error")
 VISION = ("off", "on", "auto")
 VISION_DETAIL = ("low", "high", "auto")
 KEY_REQUIRED = ("auto", "true", "false")
+# USD per million (input, output) tokens of the models the docs name, as their providers list
+# them; model_prices or price_*_per_million override, and a model not here costs "unknown".
+PRICES = {
+    "gpt-4o-mini": (0.15, 0.60),
+    "gpt-4o": (2.50, 10.00),
+    "gpt-4.1": (2.00, 8.00),
+    "gpt-4.1-mini": (0.40, 1.60),
+    "gpt-4.1-nano": (0.10, 0.40),
+    "claude-sonnet-4-5": (3.00, 15.00),
+    "claude-sonnet-4.5": (3.00, 15.00),
+    "deepseek-chat": (0.28, 0.42),       # DeepSeek V3.2
+    "deepseek-reasoner": (0.28, 0.42),
+}
 # Hosted OpenAI-compatible APIs that refuse every call without a key (and their subdomains).
 KEYED_HOSTS = ("api.openai.com", "openai.azure.com", "api.deepseek.com", "api.holysheep.ai", "api.anthropic.com",
                "openrouter.ai", "api.groq.com", "api.together.xyz", "api.mistral.ai", "api.fireworks.ai",
@@ -112,9 +125,11 @@ class Settings:
     # A caller may send its own LABELS to describe directly: they are paid input too.
     max_labels: int = 20
     max_label_chars: int = 200
-    price_input_per_million: float = 0.15
-    price_output_per_million: float = 0.60
-    # {"model": [input_price, output_price]} for models priced differently.
+    # USD per million tokens for every model (a local server: 0); None: each model's price from
+    # model_prices, else from PRICES, else unknown (USAGE cost_usd null, no cost counted).
+    price_input_per_million: float = None
+    price_output_per_million: float = None
+    # {"model": [input_price, output_price]}, over PRICES.
     model_prices: dict = field(default_factory=dict)
     api_key_env: str = ""  # empty: <env_prefix>API_KEY
     api_key_file: str = ""
@@ -149,7 +164,16 @@ class Settings:
         return model == self.model or any(fnmatch.fnmatchcase(model, p) for p in self.allowed_models)
 
     def prices_for(self, model):
-        return self.model_prices.get(model, (self.price_input_per_million, self.price_output_per_million))
+        """(input, output) USD per million tokens of `model`, or None when nobody said: its
+        model_prices entry, else price_*_per_million, else PRICES (a dated snapshot,
+        gpt-4o-mini-2024-07-18 or claude-sonnet-4-5-20250929, priced as its model)."""
+        if model in self.model_prices:
+            return self.model_prices[model]
+        if self.price_input_per_million is not None or self.price_output_per_million is not None:
+            return self.price_input_per_million or 0.0, self.price_output_per_million or 0.0
+        known = [name for name in PRICES if model == name or (model.startswith(name + "-")
+                                                               and model[len(name) + 1:][:1].isdigit())]
+        return PRICES[max(known, key=len)] if known else None
 
     def resolve_overrides(self, params):
         """The Overrides of one request.
@@ -255,6 +279,8 @@ def _parse_bool(text):
 
 
 def _convert(name, kind, text):
+    if name in ("price_input_per_million", "price_output_per_million"):
+        kind = float
     if kind is bool:
         return _parse_bool(text)
     if kind is int:
@@ -337,7 +363,7 @@ def _validate(s):
             problems.append(f"{name} must be > 0")
     for name in ("backoff_base_s", "backoff_max_s", "max_retry_after_s", "cache_ttl_s",
                  "price_input_per_million", "price_output_per_million"):
-        if getattr(s, name) < 0:
+        if getattr(s, name) is not None and getattr(s, name) < 0:
             problems.append(f"{name} must be >= 0")
     for name in ("max_attempts", "circuit_failure_threshold", "max_in_flight", "cache_max_entries",
                  "max_prompt_chars", "max_labels", "max_label_chars", "max_open_streams", "max_photos_waiting",

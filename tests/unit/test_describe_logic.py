@@ -137,7 +137,7 @@ def test_fallback_reads_like_a_sentence():
 
 
 def test_usage_json_and_cost():
-    assert cost_usd(1_000_000, 1_000_000, 0.15, 0.60) == 0.75
+    assert cost_usd(1_000_000, 1_000_000, (0.15, 0.60)) == 0.75 and cost_usd(10, 10, None) is None
     usage = json.loads(Usage("m", 10, 5, 15, 1.23456789012e-5, 12.345, 2).to_json())
     assert usage == {"model": "m", "prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15,
                      "cost_usd": 1.2346e-05, "upstream_latency_ms": 12.3, "attempts": 2,

@@ -349,3 +349,19 @@ def test_a_view_reaches_the_llm_and_an_empty_one_is_text_only(fake_pb_utils_modu
         assert fake.stats()["images"][-1] == []
     finally:
         model.finalize()
+
+
+def test_a_model_nobody_priced_reports_its_cost_as_unknown_and_counts_none(fake_pb_utils_module, fake, monkeypatch):
+    """A local model: its tokens are counted, its cost is null in USAGE and absent from the cost
+    counter, never another model's price."""
+    pb_utils = fake_pb_utils_module
+    model = make_model(monkeypatch, fake.base_url, model="llama3.1")
+    try:
+        req = request(pb_utils)
+        model.execute([req])
+        usage = json.loads(outputs(req.get_response_sender().wait())["USAGE"])
+        assert usage["model"] == "llama3.1" and usage["total_tokens"] > 0 and usage["cost_usd"] is None
+        assert metric(model, pb_utils, "describe_prompt_tokens_total", upstream_model="llama3.1") == usage["prompt_tokens"]
+        assert metric(model, pb_utils, "describe_cost_usd_total", upstream_model="llama3.1") is None
+    finally:
+        model.finalize()

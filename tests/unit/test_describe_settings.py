@@ -16,7 +16,7 @@ def test_config_values_are_typed():
                         "allowed_models": "gpt-4o*, claude-*", "model_prices": '{"gpt-4o": [2.5, 10]}'}, {})
     assert s.max_tokens == 64 and s.temperature == 0.7 and s.api_key_required == "false"
     assert s.allowed_models == ("gpt-4o*", "claude-*")
-    assert s.prices_for("gpt-4o") == (2.5, 10.0) and s.prices_for("other") == (0.15, 0.60)
+    assert s.prices_for("gpt-4o") == (2.5, 10.0) and s.prices_for("other") is None
 
 
 def test_environment_overrides_config_with_the_prefix():
@@ -104,3 +104,25 @@ def test_api_key_required_defaults_to_auto_and_refuses_other_words():
     assert parse_settings({}, {}).api_key_required == "auto"
     with pytest.raises(ConfigError, match="'api_key_required'='maybe' is invalid: expected auto, true or false"):
         parse_settings({"api_key_required": "maybe"}, {})
+
+
+@pytest.mark.parametrize("model, prices", [
+    ("gpt-4o-mini", (0.15, 0.60)),
+    ("gpt-4o-mini-2024-07-18", (0.15, 0.60)),   # a dated snapshot: its model's price
+    ("gpt-4o", (2.50, 10.00)),
+    ("gpt-4.1", (2.00, 8.00)),
+    ("gpt-4.1-mini-2025-04-14", (0.40, 1.60)),  # the longest name that fits
+    ("claude-sonnet-4-5", (3.00, 15.00)),
+    ("deepseek-chat", (0.28, 0.42)),
+    ("llama3.1", None),                          # a local model nobody priced: unknown
+    ("gpt-4o-minis", None),                      # not a snapshot of gpt-4o-mini
+])
+def test_each_model_named_in_the_docs_has_its_own_price_and_others_none(model, prices):
+    assert parse_settings({}, {}).prices_for(model) == prices
+
+
+def test_prices_set_for_the_endpoint_or_a_model_win_over_the_table():
+    s = parse_settings({"model_prices": '{"gpt-4o": [1, 2]}'}, {"LLM_PRICE_INPUT_PER_MILLION": "0",
+                                                                 "LLM_PRICE_OUTPUT_PER_MILLION": "0"})
+    assert s.prices_for("gpt-4o") == (1.0, 2.0) and s.prices_for("llama3.1") == (0.0, 0.0)
+    assert s.prices_for("claude-sonnet-4-5") == (0.0, 0.0)  # the endpoint's price is every model's
