@@ -41,7 +41,10 @@ def running_triton(workdir, fake_llm, extra_env=None, command_prefix=()):
     """Start scripts/serve.sh on free ports and a copy of the committed
     model_repository/ (built by `make build`), so tests may add a model
     version without touching the tree; stop it by its PID afterwards."""
+    # The tests' own upstream model names (gpt-4o-mini-it-*, series no other test feeds) are
+    # billed at gpt-4o-mini's price: unpriced, their cost would be unknown (unit-tested apart).
     server = TritonServer(workdir, {"LLM_BASE_URL": fake_llm.base_url, "LLM_API_KEY": TEST_API_KEY,
+                                    "LLM_PRICE_INPUT_PER_MILLION": "0.15", "LLM_PRICE_OUTPUT_PER_MILLION": "0.60",
                                     **(extra_env or {})}, command_prefix=command_prefix)
     try:
         try:
