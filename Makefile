@@ -28,6 +28,7 @@ GPU_CONFIG := $(CLASSIFIER)/configs/gpu.pbtxt
 OUR_BACKENDS := $(notdir $(patsubst %/model.py,%,$(wildcard backends/*/model.py)))
 PERF_DIR   := $(BUILD)/perf_analyzer
 LITELLM_DIR := $(BUILD)/litellm-venv
+LLAMACPP_DIR := $(BUILD)/llamacpp-venv
 BENTOML_DIR := $(BUILD)/bentoml-venv
 
 HTTP_PORT    ?= 8000
@@ -52,6 +53,7 @@ help:
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
+	@echo "make test-llamacpp  every path against llama-cpp-python's server and SmolLM2-135M, keyless (build ~6 min, then ~5 min)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
 	@echo "make bench-quick    the targets in about 5 minutes (build/bench/quick)"
 	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
@@ -153,6 +155,19 @@ litellm-gateway: $(LITELLM_DIR)/.installed
 $(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install_litellm.sh scripts/make_side_venv.sh
 	scripts/install_litellm.sh $(PYTHON_BIN) $(LITELLM_DIR)
 	touch $@
+
+# llama-cpp-python's OpenAI-compatible server and SmolLM2-135M, a real LLM server nobody here
+# wrote, for tests/llamacpp (built from source once, about 6 minutes on 2 cores).
+.PHONY: llamacpp-server test-llamacpp
+llamacpp-server: $(LLAMACPP_DIR)/.installed
+$(LLAMACPP_DIR)/.installed: versions.env requirements-llamacpp.txt scripts/install_llamacpp.sh scripts/make_side_venv.sh
+	scripts/install_llamacpp.sh $(PYTHON_BIN) $(LLAMACPP_DIR)
+	touch $@
+
+# Every path (whole, streams over gRPC and the front, vision auto, a wrong key, a server that
+# goes away) against that server, keyless as a local user starts it (~5 min after the build).
+test-llamacpp: build llamacpp-server
+	$(PY) -m pytest -q tests/llamacpp
 
 # BentoML serving the same job (tools/bench/bentoml_service.py), the baseline
 # `make bench` measures the ensemble against, in its own venv (about 330 MB,

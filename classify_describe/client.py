@@ -305,6 +305,12 @@ class _StreamState:
                 latency_ms=(time.perf_counter() - self.started) * 1e3))
 
 
+def _stream_response(result):
+    """(its outputs or None, whether it is the last) of one response of a gRPC stream."""
+    response = result.get_response()
+    return (_grpc_outputs(result) if response.outputs else None), response.parameters["triton_final_response"].bool_param
+
+
 def _grpc_outputs(result):
     """{name: the first row's value(s)} of one gRPC stream response."""
     outputs = {}
@@ -730,10 +736,10 @@ class Client(_Throttling):
                                              "final response", retryable=True) from None
                 if error is not None:
                     raise _request_error(error, self._module, self._timeout_s) from None
-                response = result.get_response()
-                if response.outputs:
-                    yield _grpc_outputs(result)
-                if response.parameters["triton_final_response"].bool_param:
+                outputs, final = _stream_response(result)
+                if outputs:
+                    yield outputs
+                if final:
                     return
         finally:
             # Cancels what is still running, when the caller stopped early.
@@ -924,10 +930,10 @@ class AsyncClient(_Throttling):
             async for result, error in stream:
                 if error is not None:
                     raise _request_error(error, self._module, self._timeout_s) from None
-                response = result.get_response()
-                if response.outputs:
-                    yield _grpc_outputs(result)
-                if response.parameters["triton_final_response"].bool_param:
+                outputs, final = _stream_response(result)
+                if outputs:
+                    yield outputs
+                if final:
                     return
         finally:
             stream.cancel()  # ends the call; the server cancels what still runs

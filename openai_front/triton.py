@@ -5,6 +5,7 @@ here (build_request); Triton's outputs become a plain `Answer`; Triton's
 errors become FrontErrors with the status a client acts on."""
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -238,6 +239,21 @@ def inference_metadata(key):
     return ((INFERENCE_KEY_HEADER, key),) if key else ()
 
 
+@contextlib.contextmanager
+def _front_errors():
+    """A call's gRPC error as the FrontError a client acts on; its cancellation by our own
+    deadline or shutdown (_call_cancelled) too, a client's own passed on as it is."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise front_error(error) from None
+    except asyncio.CancelledError:
+        error = _call_cancelled()
+        if error is None:
+            raise
+        raise error from None
+
+
 class InferenceCalls:
     """Triton's two inference calls on a channel of our own (grpc.aio's public API), as
     tritonclient's stub makes them but sending requests serialized beforehand
@@ -326,16 +342,9 @@ class TritonPool:
     async def infer(self, model, image, prompt=None, parameters=None, request_id="", metadata=()):
         """metadata: more gRPC metadata for Triton (the client's trace context, trace_context.py)."""
         request = build_request(model, image, prompt, parameters, request_id)
-        try:
+        with _front_errors():
             response = await self._stub().ModelInfer(request=request, timeout=self.timeout_s,
                                                      metadata=(*self._metadata, *metadata))
-        except grpc.RpcError as error:
-            raise front_error(error) from None
-        except asyncio.CancelledError:
-            error = _call_cancelled()
-            if error is None:
-                raise
-            raise error from None
         answer = Answer()
         read_outputs(InferResult(response), answer)
         return answer
@@ -353,17 +362,11 @@ class TritonPool:
                                              metadata=(*self._metadata, *metadata))
         answer = Answer()
         try:
-            async for response in call:
-                if response.error_message:
-                    raise front_error(InferenceServerException(msg=response.error_message))
-                text = read_outputs(InferResult(response.infer_response), answer)
-                yield answer, text
-        except grpc.RpcError as error:
-            raise front_error(error) from None
-        except asyncio.CancelledError:
-            error = _call_cancelled()
-            if error is None:
-                raise
-            raise error from None
+            with _front_errors():
+                async for response in call:
+                    if response.error_message:
+                        raise front_error(InferenceServerException(msg=response.error_message))
+                    text = read_outputs(InferResult(response.infer_response), answer)
+                    yield answer, text
         finally:
             call.cancel()  # a client that went away stops the stream at Triton too
