@@ -112,6 +112,20 @@ def test_auto_recovers_from_an_upstream_that_cannot_take_the_photo_however_it_sa
     run(test, vision="auto", circuit_failure_threshold="1")
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
+def test_auto_recovers_from_a_200_with_no_answer_to_the_photo(streamed):
+    """llama-cpp-python's server streams a 200 and then nothing when its template fails on the
+    image part: answered text-only at once, not retried with the photo."""
+    async def test(fake, d, obs, log):
+        fake.set_mode("no_vision", refusal_status=200, refuse_lists=True)
+        chunks = []
+        r = await d.describe(job(), emit=chunks.append if streamed else None)
+        assert r.source == "llm" and r.usage.attempts == 2 and r.usage.vision_skipped_reason == "refused_by_upstream"
+        assert [len(i) for i in fake.stats["images"]] == [1, 0] and obs.attempts[0] == "image_request_failed"
+        assert not streamed or "".join(chunks) == r.description
+    run(test, vision="auto")
+
+
 def test_one_photo_the_upstream_cannot_use_does_not_turn_vision_off():
     async def test(fake, d, obs, log):
         fake.set_mode("no_vision", count=1, refusal_status=400, refusal_message="Invalid image: exceeds max size")

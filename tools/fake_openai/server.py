@@ -40,7 +40,9 @@ model; text-only requests are answered as "ok". `refusal_status` and
 `refusal_message` change that answer to how other servers say it (llama.cpp's
 500, Groq's 400 "'messages.1.content' : value must be a string"), and with
 `refuse_lists` any message whose content is a list of parts is refused so, as
-servers whose chat template takes strings only do. `usage` false leaves the
+servers whose chat template takes strings only do; `refusal_status` 200 answers
+such a request with nothing (a stream of [DONE] alone, or an empty message), as
+llama-cpp-python's server streams when its template fails. `usage` false leaves the
 usage out of answers and streams, as some local servers do. An image part costs 85 prompt
 tokens at detail "low" and 765 otherwise (OpenAI's count for a 768 px photo).
 A request with response_format json_object or json_schema is answered with a
@@ -214,6 +216,8 @@ class FakeOpenAI:
                 await asyncio.sleep(self.latency_ms / 1000.0)
             status, message, refuse_lists = self.refusal
             lists = any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in body.get("messages", []))
+            if mode == "no_vision" and (images or (refuse_lists and lists)) and status == 200:
+                return await self._nothing(request, body)
             if mode == "no_vision" and (images or (refuse_lists and lists)):
                 return _error(status, message or f"The model `{body.get('model', '')}` does not support image input.",
                               None, error_type="invalid_request_error")
@@ -320,6 +324,18 @@ class FakeOpenAI:
         await response.write_eof()
         stats["streams_completed"] += 1
         stats["streamed_answers"] = (stats["streamed_answers"] + [content])[-RECENT_ANSWERS:]
+        return response
+
+    async def _nothing(self, request, body):
+        """A 200 that carries no answer: a stream of [DONE] alone, or an empty message."""
+        if not body.get("stream"):
+            return web.json_response({"id": "chatcmpl-fake-empty", "object": "chat.completion", "created": int(time.time()),
+                                      "model": body.get("model", ""), "choices": [
+                                          {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": ""}}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
         return response
 
     async def _flood(self, request, body):
