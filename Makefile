@@ -53,7 +53,7 @@ help:
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
-	@echo "make test-llamacpp  every path against llama-cpp-python's server and SmolLM2-135M, keyless (build ~6 min, then ~5 min)"
+	@echo "make test-upstreams every path, keyless, against the fake and llama-cpp-python's server with SmolLM2-135M (its build ~6 min once)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
 	@echo "make bench-quick    the targets in about 5 minutes (build/bench/quick)"
 	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
@@ -157,17 +157,17 @@ $(LITELLM_DIR)/.installed: versions.env requirements-litellm.txt scripts/install
 	touch $@
 
 # llama-cpp-python's OpenAI-compatible server and SmolLM2-135M, a real LLM server nobody here
-# wrote, for tests/llamacpp (built from source once, about 6 minutes on 2 cores).
-.PHONY: llamacpp-server test-llamacpp
+# wrote, for tests/upstreams (built from source once, about 6 minutes on 2 cores).
+.PHONY: llamacpp-server test-upstreams
 llamacpp-server: $(LLAMACPP_DIR)/.installed
 $(LLAMACPP_DIR)/.installed: versions.env requirements-llamacpp.txt scripts/install_llamacpp.sh scripts/make_side_venv.sh
 	scripts/install_llamacpp.sh $(PYTHON_BIN) $(LLAMACPP_DIR)
 	touch $@
 
 # Every path (whole, streams over gRPC and the front, vision auto, a wrong key, a server that
-# goes away) against that server, keyless as a local user starts it (~5 min after the build).
-test-llamacpp: build llamacpp-server
-	$(PY) -m pytest -q tests/llamacpp
+# goes away) against the fake and that server, keyless as a local user starts it (~1 min after the build).
+test-upstreams: build llamacpp-server
+	$(PY) -m pytest -q tests/upstreams
 
 # BentoML serving the same job (tools/bench/bentoml_service.py), the baseline
 # `make bench` measures the ensemble against, in its own venv (about 330 MB,

