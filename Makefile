@@ -166,7 +166,7 @@ $(LLAMACPP_DIR)/.installed: versions.env requirements-llamacpp.txt scripts/insta
 
 # Every path (whole, streams over gRPC and the front, vision auto, a wrong key, a server that
 # goes away) against the fake and that server, keyless as a local user starts it (~1 min after the build).
-test-upstreams: build llamacpp-server
+test-upstreams: build llamacpp-server litellm-gateway
 	$(PY) -m pytest -q tests/upstreams
 
 # BentoML serving the same job (tools/bench/bentoml_service.py), the baseline

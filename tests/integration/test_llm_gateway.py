@@ -14,11 +14,8 @@ No Redis and no Postgres here: the proxy keeps its counts and cache in memory
 a tenant's virtual key would be (docs/llm-gateway.md)."""
 
 import base64
-import copy
 import json
-import os
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -27,90 +24,20 @@ import uuid
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-import yaml
 from tritonclient.utils import InferenceServerException
 
-from tools.local_stack import free_port, log_tail, stop_process
-
+from ..support.litellm_gateway import Gateway
 from .conftest import REPO, running_triton
 
-LITELLM = REPO / "build/litellm-venv/bin/litellm"
-GATEWAY_CONFIG = REPO / "deploy/llm-gateway/configmap.yaml"
 MASTER_KEY = "sk-gateway-master-DO-NOT-LEAK-" + uuid.uuid4().hex[:12]
 PROVIDER_KEY = "sk-provider-DO-NOT-LEAK-" + uuid.uuid4().hex[:12]
 MODEL = "gpt-4o-mini"                  # the shipped config's model (the replicas' LLM_MODEL)
 LIMITED = "gpt-4o-mini-gateway-rpm1"   # the same, with rpm 1 at the gateway (allowed by gpt-4o-mini*)
-READY_TIMEOUT_S = 240  # the proxy imports for 10-40 s on this 2-core machine, longer when it is busy
-
-
-def gateway_config():
-    """The shipped config, as the test can run it: the provider is the fake
-    upstream; the Redis and Postgres settings go (none here); one more model,
-    rate-limited to 1 request a minute."""
-    (configmap,) = [d for d in yaml.safe_load_all(GATEWAY_CONFIG.read_text()) if d]
-    config = yaml.safe_load(configmap["data"]["config.yaml"])
-    router, general = config["router_settings"], config["general_settings"]
-    assert router["routing_strategy"] == "usage-based-routing-v2", "rpm/tpm would not be enforced"
-    assert router["num_retries"] == 0, "the gateway would retry under the describe step's own retries"
-    assert general["master_key"] == "os.environ/LITELLM_MASTER_KEY"
-    for name in ("redis_host", "redis_port", "redis_password"):
-        del router[name]
-    config["litellm_settings"]["cache_params"] = {"type": "local"}
-    del general["database_url"]
-    for entry in config["model_list"]:
-        entry["litellm_params"]["api_base"] = "os.environ/UPSTREAM_BASE_URL"
-    (main,) = [e for e in config["model_list"] if e["model_name"] == MODEL]
-    limited = copy.deepcopy(main)
-    limited["model_name"] = LIMITED
-    limited["litellm_params"]["rpm"] = 1
-    config["model_list"].append(limited)
-    return config
-
-
-class Gateway:
-    def __init__(self, workdir, upstream_base_url):
-        if not LITELLM.exists():
-            pytest.fail(f"{LITELLM} is missing: run `make litellm-gateway` (make test does)")
-        self.port = free_port()
-        self.log_path = workdir / "litellm.log"
-        config_path = workdir / "litellm-config.yaml"
-        config_path.write_text(yaml.safe_dump(gateway_config()))
-        env = {"PATH": os.environ["PATH"], "HOME": str(workdir), "LITELLM_MASTER_KEY": MASTER_KEY,
-               "OPENAI_API_KEY": PROVIDER_KEY, "BACKUP_OPENAI_API_KEY": PROVIDER_KEY,
-               "UPSTREAM_BASE_URL": upstream_base_url, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-               "LITELLM_TELEMETRY": "False"}
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen([str(LITELLM), "--config", str(config_path), "--host", "127.0.0.1",
-                                             "--port", str(self.port)], cwd=workdir, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._live():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"the LiteLLM proxy did not start:\n{log_tail(self.log_path)}")
-            time.sleep(0.5)
-
-    def _live(self):
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health/liveliness", timeout=5) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    @property
-    def base_url(self):
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def log(self):
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self):
-        stop_process(self.process, grace_s=15)
 
 
 @pytest.fixture(scope="module")
 def gateway(fake_llm, tmp_path_factory):
-    gateway = Gateway(tmp_path_factory.mktemp("litellm"), fake_llm.base_url)
+    gateway = Gateway(tmp_path_factory.mktemp("litellm"), fake_llm.base_url, MASTER_KEY, PROVIDER_KEY, limited=LIMITED)
     try:
         yield gateway
     finally:

@@ -1,0 +1,1 @@
+"""What several test suites share to start the parts they test (not tests themselves)."""
