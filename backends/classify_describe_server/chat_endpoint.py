@@ -23,7 +23,7 @@ import openai
 import orjson
 import yarl
 
-from .resilience import AnswerTooLarge
+from .resilience import AnswerTooLarge, UnreadableAnswer
 
 # httpx's keep-alive expiry, which the SDK's aiohttp pool uses too.
 KEEPALIVE_S = 5.0
@@ -76,7 +76,10 @@ class ChatEndpoint:
             raise openai.APITimeoutError(request=self._request()) from exc
         except aiohttp.ClientError as exc:
             raise openai.APIConnectionError(request=self._request()) from exc
-        return _attributes(orjson.loads(raw))
+        try:
+            return _attributes(orjson.loads(raw))
+        except orjson.JSONDecodeError:  # not JSON, or not UTF-8
+            raise UnreadableAnswer(len(raw)) from None
 
     def _session(self):
         if self.session is None:

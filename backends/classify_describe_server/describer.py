@@ -31,6 +31,7 @@ from .resilience import (
     CircuitBreaker,
     Failure,
     MalformedResponse,
+    UnreadableAnswer,
     backoff_delay,
     classify_status,
     image_may_be_why,
@@ -167,8 +168,12 @@ class WholeAnswer:
         c = self.call
         # ChatEndpoint.post: the SDK's signature and errors, one aiohttp POST
         # (the SDK's own post() cost 5x its CPU: chat_endpoint.py).
-        response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion, options=c.job.options(timeout),
-                                              body=c.job.body(c.messages)), timeout)
+        try:
+            response = await c.wait(c.client.post("/chat/completions", cast_to=ChatCompletion,
+                                                  options=c.job.options(timeout), body=c.job.body(c.messages)), timeout)
+        except UnreadableAnswer as unreadable:
+            c.bill(None, unreadable.body_bytes)  # billed upstream all the same, as a cut stream
+            raise
         # An answer we cannot use is billed all the same.
         c.bill(getattr(response, "usage", None), len(_content_of(response)))
         return _answer_text(response), finish_reason_of(response)

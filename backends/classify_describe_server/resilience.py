@@ -50,6 +50,15 @@ class MalformedResponse(Exception):
     """A 200 whose body holds no usable answer: retried like a glitch."""
 
 
+class UnreadableAnswer(MalformedResponse):
+    """A 200 whose body could not be parsed at all (not JSON, not UTF-8): the upstream billed it
+    all the same, so its tokens are estimated from its size, as a stream cut short is."""
+
+    def __init__(self, body_bytes):
+        super().__init__(f"the answer's {body_bytes} bytes are not JSON")
+        self.body_bytes = body_bytes
+
+
 @dataclass(frozen=True)
 class Failure:
     """What went wrong with one upstream attempt, in words safe to log and return."""

@@ -10,6 +10,7 @@ import gzip
 import json
 from types import SimpleNamespace
 
+import pytest
 from aiohttp import web
 from classify_describe_server.accounting import tokens_from
 from classify_describe_server.describer import SHOWN_ERROR_CHARS, Describer, make_client
@@ -301,3 +302,21 @@ def test_both_paths_reach_the_upstream_through_the_environments_proxy(monkeypatc
     assert (plain.source, plain.description) == ("llm", "Through the proxy.")
     assert (stream_result.source, "".join(chunks)) == ("llm", "Streamed through")
     assert [headers["Host"] for headers in proxy.request_headers] == ["llm.invalid", "llm.invalid"]
+
+
+@pytest.mark.parametrize("streamed_path", [False, True], ids=["whole", "stream"])
+def test_an_answer_that_is_not_utf8_is_billed_by_estimate_on_both_paths(streamed_path):
+    """The upstream billed each attempt whose answer we could not read: both paths estimate
+    its tokens by one rule, and what USAGE shows is what the metrics count."""
+    bad = b'{"id": "c1", "choices": [{"message": {"content": "A cat \xff\xfe"}}]}'
+    stream_bad = b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"A cat \xff\xfe"}}]}\n\n'
+    script = [stream_answer(stream_bad) if streamed_path else answer(body=bad)] * 3
+
+    async def test(d, obs, log):
+        if streamed_path:
+            return (await streamed(d))[1], obs
+        return await d.describe(job()), obs
+    result, obs = run(test, Upstream(*script, then=script[0]), max_attempts="3")
+    assert result.source == "fallback" and result.usage.attempts == 3
+    assert result.usage.tokens_estimated is True and result.usage.prompt_tokens > 0
+    assert obs.usages[-1] is result.usage  # the metrics count what USAGE says
