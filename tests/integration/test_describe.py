@@ -199,7 +199,7 @@ def test_401_is_not_retried_and_the_key_never_leaks(client, fake_llm, triton):
 
 
 def test_an_answer_past_max_tokens_is_cut_and_not_cached(client, fake_llm):
-    """Issue 17, item 5: 50,000 characters for max_tokens 64 end at 16 x 64 as
+    """50,000 characters for max_tokens 64 end at 16 x 64 as
     llm_partial (answer_too_long), and the same request asks the upstream again;
     a body of 2,000,000 characters is not read at all (fallback, no retry)."""
     fake_llm.admin("mode", {"mode": "huge", "huge_chars": 50_000})

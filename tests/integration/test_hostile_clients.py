@@ -1,5 +1,5 @@
 """Hostile clients on every port a client reaches, against the session server
-(issue 17, "the class, not the instance"): slow, stalled, oversized and
+(the class, not the instance): slow, stalled, oversized and
 compressed bodies and disconnects on Triton's HTTP port; oversized messages,
 cancels at every stage and a flood of streams on its gRPC port; disconnects
 and a misbehaving upstream while an HTTP generate_stream is open; a compressed

@@ -645,7 +645,7 @@ def test_without_the_test_setting_a_loopback_image_host_is_refused_by_name_and_b
         front.stop()
 
 
-# -- fields the pipeline cannot honour (issue 18) --------------------------------
+# -- fields the pipeline cannot honour --------------------------------
 
 # Every field the front refuses, with a value a client would send (any value of
 # these is refused; n, logprobs, modalities and store are taken with one value only).

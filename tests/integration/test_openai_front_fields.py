@@ -1,4 +1,4 @@
-"""The front's honoured fields reach the LLM (issue 18): the client's system
+"""The front's honoured fields reach the LLM: the client's system
 messages and earlier turns, after the project's own system prompt, and its
 response_format, on both paths, seen in the bodies the fake upstream
 recorded. These need the describe step's side of the contract (the request

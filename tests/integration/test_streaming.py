@@ -243,7 +243,7 @@ def test_a_failure_after_the_first_token_keeps_the_partial_text(triton, llm, req
     assert stream.last["DESCRIPTION_SOURCE"] == "llm_partial"
     assert len(stream.chunks) == 3 and stream.text.startswith("Fake answer #")
     assert usage["fallback_reason"] == "connection_error" and usage["attempts"] == 1
-    # Billed upstream though no usage chunk came: estimated (issue 17, item 6).
+    # Billed upstream though no usage chunk came: estimated.
     assert usage["tokens_estimated"] is True and usage["completion_tokens"] > 0 and usage["cost_usd"] > 0
     assert stats(llm)["requests"] == requests_before + 1  # no retry once text went out
     # A partial answer is not cached: the same request streams anew.
@@ -252,7 +252,7 @@ def test_a_failure_after_the_first_token_keeps_the_partial_text(triton, llm, req
 
 @pytest.mark.parametrize("model", STREAM_MODELS)
 def test_an_upstream_that_floods_is_cut_at_the_limit_and_closed(triton, llm, requests_, model):
-    """An endless stream (issue 17, item 5): the text stops at 16 characters per
+    """An endless stream: the text stops at 16 characters per
     max_tokens token, ends llm_partial (answer_too_long) billed by estimate, and
     the upstream connection is closed rather than read for total_timeout_s."""
     llm.admin("mode", {"mode": "flood"})
@@ -287,9 +287,8 @@ def streams_finished(server, model):
 
 
 def test_streams_cancelled_while_they_wait_are_not_classified(triton, llm, requests_):
-    """60 photo streams on one gRPC stream, cancelled by the client at 0.1 s
-    (issue 17, item 4): before, all 60 were still classified over the next
-    1.3 s; now a request whose client left is skipped before its BLS call."""
+    """60 photo streams on one gRPC stream, cancelled by the client at 0.1 s: a request
+    whose client left is skipped before its BLS call, not classified for nobody."""
     llm.admin("mode", {"mode": "ok", "latency_ms": 2000})
     # The photo stream classifies by BLS to classify_with_view (its classify_model).
     classified_before, llm_before = model_successes(triton, "classify_with_view"), stats(llm)["requests"]

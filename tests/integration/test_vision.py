@@ -1,4 +1,4 @@
-"""The describe step sees the photo (issue 18), through the real server on every
+"""The describe step sees the photo, through the real server on every
 path: the classify_and_describe ensemble over HTTP and gRPC, and the
 classify_and_describe_stream model (gRPC stream and HTTP generate_stream). The
 fake upstream (tools/fake_openai) decodes each image part it gets, so each

@@ -312,7 +312,7 @@ def test_every_results_file_the_readme_names_is_committed():
 
 
 def test_serving_overhead_targets_hold_the_served_figures_against_the_in_process_ones(results):
-    """Issue 21: the ensemble against the in-process limit of the served runtime (>= 0.75), and the
+    """The ensemble against the in-process limit of the served runtime (>= 0.75), and the
     p50 at concurrency 1 against the in-process single-image latency, in its fastest layout (<= 1.3x)."""
     set_turns(results, [(60.0, 45.0, 80.0), (60.0, 28.0, 40.0), (60.0, 70.0, 80.0)])
     for turn, rates in zip(results["limits"]["turns"], ((100.0, 100.0), (50.0, 200.0), (100.0, 100.0))):

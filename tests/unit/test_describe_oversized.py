@@ -1,4 +1,4 @@
-"""Oversized answers (issue 17, item 5): an upstream that writes far past the
+"""Oversized answers: an upstream that writes far past the
 request's max_tokens, as a whole answer or a stream, over real HTTP against the
 fake upstream ("huge", "flood") with the real openai SDK. The text is cut at
 CHARS_PER_TOKEN a token (or max_answer_chars), ends as llm_partial with

@@ -1,4 +1,4 @@
-"""The describe step's side of request ids (issue 20): Triton's request id (the
+"""The describe step's side of request ids: Triton's request id (the
 OpenAI front's X-Request-ID, or a tritonclient caller's request_id) goes to
 the LLM upstream as X-Request-ID on every attempt, whole or streamed, and to
 the classify model's BLS request, and the log lines about the request name

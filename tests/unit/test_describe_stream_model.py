@@ -251,7 +251,7 @@ def test_a_photo_stream_sends_the_classifiers_labels_first(fake_pb_utils_module,
     assert req.get_response_sender().responses[0].output("LABELS")[0][0] == b"tabby, tabby cat"
 
 
-# -- admission and cancellation before the work (issue 17, item 4) ---------------------------------
+# -- admission and cancellation before the work ---------------------------------
 
 def labelling_classifier(pb_utils, calls, before=None):
     """A classify model for BLS that counts its calls and runs `before(call number)` first."""

@@ -1,4 +1,4 @@
-"""What the LLM is shown (issue 18): the photo's view as an image part, the
+"""What the LLM is shown: the photo's view as an image part, the
 labels as grounding, the client's conversation and response_format; vision
 off/on/auto with the text-only retry of a model that refuses images; the
 answer cache keyed on the photo; the view never in a log line or an error.

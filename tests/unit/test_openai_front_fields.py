@@ -1,4 +1,4 @@
-"""The front's field handling (issue 18), driven by the real openai SDK against
+"""The front's field handling, driven by the real openai SDK against
 the app, with a pool that records the Triton request each call would send:
 every honoured field reaches the request parameters, every other field is
 refused by name (400, `param` = the field) before any call, on both paths.

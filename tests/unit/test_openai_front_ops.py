@@ -1,4 +1,4 @@
-"""Operating the front (issue 20): request ids (taken, checked, made, sent to
+"""Operating the front: request ids (taken, checked, made, sent to
 Triton, returned on every answer), the access log (one JSON line a request,
 nothing secret), and /metrics served by prometheus_client. The same against
 the real server and fake upstream: tests/integration/test_request_ids.py."""
