@@ -7,19 +7,25 @@ each time. A client sending them in a loop would fill the log. Instead: one
 line each, naming the error, at most one a second (with how many were left out
 since), and a count in openai_front_errors_total{code="malformed_http"}.
 Anything else aiohttp logs (a handler's own exception, a bug of ours) passes
-unchanged, traceback and all. TLS or another protocol as a connection's first
+unchanged, traceback and all. Nothing the client sent reaches the line: aiohttp's
+message quotes the offending bytes (a whole header line, `Authorization: Bearer
+<key>` included, for a line that ends in a bare LF), and the line keeps only what
+comes before that quote. TLS or another protocol as a connection's first
 bytes aiohttp logs at DEBUG only: the front's INFO level never shows it, and
 this filter never sees it to count it.
 """
 
 import logging
+import re
 import time
 
 from aiohttp.http_exceptions import HttpProcessingError
 
 CODE = "malformed_http"
 INTERVAL_S = 1.0
-SHOWN_CHARS = 200  # of aiohttp's message, which may quote what the client sent
+SHOWN_CHARS = 200  # of aiohttp's message, up to the bytes it quotes
+# Where aiohttp's message starts quoting what the client sent: a bytes repr, b'...' or b"...".
+_QUOTED_BYTES = re.compile(r"""\s*:?\s*b['"]""")
 
 
 class OneLineEach(logging.Filter):
@@ -43,7 +49,7 @@ class OneLineEach(logging.Filter):
         if self._last is not None and now - self._last < self._interval_s:
             self._left_out += 1
             return False
-        detail = " ".join(str(error.message).split())[:SHOWN_CHARS]
+        detail = " ".join(_QUOTED_BYTES.split(str(error.message), maxsplit=1)[0].split())[:SHOWN_CHARS]
         text = f"{record.getMessage()}: not HTTP the front can read, answered 400 ({detail})"
         if self._left_out:
             text += f"; {self._left_out} more since the last such line, not logged"

@@ -277,6 +277,29 @@ def test_a_flood_of_requests_that_are_not_http_logs_a_line_a_second_and_counts_e
     assert value(metrics, "openai_front_errors_total", status="400", code="malformed_http") == 201
 
 
+SECRET = "sk-DO-NOT-LOG-" + "7" * 16
+LEAKY_LINES = {
+    "a header line ending in a bare LF": f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\n\r\n",
+    "a control character in a value": f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\x01\r\n\r\n",
+    "bare LFs throughout": f"GET /v1/models HTTP/1.1\nHost: x\nAuthorization: Bearer {SECRET}\n\n",
+    "a bad header name": f"GET /v1/models HTTP/1.1\r\nHost: x\r\nX Key{SECRET}: y\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("name", LEAKY_LINES)
+def test_a_malformed_request_is_logged_without_anything_the_client_sent(name, caplog):
+    """aiohttp's message quotes the bytes it could not parse: a broken client's key was in the log."""
+    async def main():
+        async with await serving(front_with(StalledPool())) as server:
+            return (await raw_exchange(server.port, LEAKY_LINES[name].encode()))[0]
+
+    with caplog.at_level("DEBUG"):
+        assert asyncio.run(main()) == 400
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("not HTTP the front can read, answered 400 (" in line for line in logged), logged
+    assert not [line for line in logged if "DO-NOT-LOG" in line or "Bearer" in line], logged
+
+
 def test_what_the_front_logs_for_anything_else_keeps_its_traceback():
     record_of = lambda error: logging.LogRecord(  # noqa: E731
         "openai_front.http", logging.ERROR, __file__, 1, "Unhandled exception", (), (type(error), error, None))
