@@ -12,7 +12,10 @@ run on its own.
                                        as `triton-grpc-protocol-inference-key`
   OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE   the key clients send as
                                        `Authorization: Bearer <key>`; without
-                                       one the front is open (and says so)
+                                       one the front is open (and says so), and
+                                       refuses to start where Triton's inference
+                                       has a key (it would answer anyone for it)
+  OPENAI_FRONT_OPEN=0                  1: serve open even then, on purpose
   OPENAI_FRONT_IMAGE_URL_ALLOWLIST     comma-separated host names whose
                                        http(s) image URLs may be fetched, on
                                        ports 80 and 443 (`host:port` for
@@ -212,4 +215,8 @@ def from_environ(environ=None, **overrides):
         access_log=_bool(environ, "OPENAI_FRONT_ACCESS_LOG", True),
     )
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if values["triton_inference_key"] and not values["api_key"] and not _bool(environ, "OPENAI_FRONT_OPEN", False):
+        raise ConfigError("Triton's inference needs a key (TRITON_INFERENCE_KEY) and the front has none: it would "
+                          "answer anyone with it. Set OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE, or "
+                          "OPENAI_FRONT_OPEN=1 to serve the front open on purpose")
     return Settings(**values)

@@ -649,7 +649,7 @@ def test_the_cpu_layout_follows_the_containers_cpu_limit():
 # -- inference key and NetworkPolicy ---------------------------------------------
 
 INFERENCE_KEY_SECRET = "classify-describe-inference-key"
-NETWORK_POLICY = DEPLOY / "network/networkpolicy.yaml"
+NETWORK_POLICY = DEPLOY / "base/networkpolicy.yaml"
 
 
 def check_inference_key_is_an_optional_secret_file(container, spec):
@@ -693,7 +693,7 @@ def test_the_network_policy_opens_the_front_to_all_metrics_to_monitoring_and_tri
     container = server_container(docs)
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= \
         deployment["spec"]["template"]["metadata"]["labels"].items(), "the policy selects no pod of ours"
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     allowed = allowed_ports(policy, container)
     # Every named port exists on the container (a typo would open nothing and close everything).
     named = [p["port"] for r in policy["spec"]["ingress"] for p in r["ports"] if isinstance(p["port"], str)]
@@ -705,6 +705,46 @@ def test_the_network_policy_opens_the_front_to_all_metrics_to_monitoring_and_tri
     for port in (8000, 8001):  # pods of this namespace only: a podSelector alone, no namespace, no ipBlock
         (peers,) = allowed[port]
         assert peers and all(set(peer) == {"podSelector"} for peer in peers), (port, peers)
+
+
+def test_every_overlay_applies_the_network_policy(overlay):
+    """As applied (`kubectl apply -k`), not an example to remember: each overlay renders it."""
+    _, docs = overlay
+    (policy,) = load_docs(NETWORK_POLICY)
+    assert by_kind(docs, "NetworkPolicy")["spec"] == policy["spec"]
+
+
+def test_egress_goes_to_dns_the_gateway_and_https_outside_the_cluster_only():
+    (policy,) = load_docs(NETWORK_POLICY)
+    rules = policy["spec"]["egress"]
+    ports = [sorted((p["port"], p["protocol"]) for p in rule["ports"]) for rule in rules]
+    assert ports == [[(53, "TCP"), (53, "UDP")], [(4000, "TCP")], [(443, "TCP")]]
+    assert all(rule.get("to") for rule in rules), "a rule without `to` lets the pods reach anything"
+    (dns,), (gateway,), (https,) = (rule["to"] for rule in rules)
+    assert dns == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                   "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+    gateway_pods = [d for d in load_docs(DEPLOY / "llm-gateway/deployment.yaml") if d["kind"] == "Deployment"][0]
+    assert gateway["podSelector"]["matchLabels"].items() <= gateway_pods["spec"]["template"]["metadata"]["labels"].items()
+    gateway_port = gateway_pods["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert gateway_port == 4000
+    assert https["ipBlock"]["cidr"] == "0.0.0.0/0"
+    assert {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"} <= set(https["ipBlock"]["except"])
+
+
+def test_the_pod_has_no_service_account_token_and_a_read_only_root(overlay):
+    """It writes only to /tmp and /dev/shm, both volumes of its own."""
+    _, docs = overlay
+    spec = pod_spec(by_kind(docs, "Deployment"))
+    assert spec["automountServiceAccountToken"] is False
+    container = server_container(docs)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+    assert "emptyDir" in mounts["/tmp"] and mounts["/dev/shm"]["emptyDir"]["medium"] == "Memory"
+    # What the supervisor writes outside /dev/shm goes under TMPDIR or /tmp.
+    supervisor = (REPO / "serving/supervise_tritonserver.sh").read_text()
+    assert "${TMPDIR:-/tmp}/triton-admin-key" in supervisor and "${TMPDIR:-/tmp}/triton-stopping" in supervisor
+    assert all(not mount.startswith("/tmp/") for mount in mounts)
 
 
 def versions_env():

@@ -26,6 +26,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from classify_describe import AsyncClient, Client, TritonRequestError
+from tools.local_stack import NotReady, TritonServer
 
 from .conftest import REPO, running_triton
 from .public_models import COFFEE_TOP1, MODELS, STREAM_MODELS, ValidRequests
@@ -42,6 +43,8 @@ REFUSED = [("none", {}, {}),
            ("wrong key", {HTTP_HEADER: WRONG_KEY}, {GRPC_HEADER: WRONG_KEY}),
            ("other header", {"admin-key": INFERENCE_KEY}, {HTTP_HEADER: INFERENCE_KEY})]
 RIGHT = ({HTTP_HEADER: INFERENCE_KEY}, {GRPC_HEADER: INFERENCE_KEY})
+# Where inference has a key the front must have its own (it refuses to start open).
+FRONT_KEY = "sk-front-" + uuid.uuid4().hex[:12]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,8 @@ def server(fake_llm, tmp_path_factory):
     key_file = workdir / "inference-key"
     key_file.write_text(INFERENCE_KEY + "\n")  # as a mounted Secret: the newline is not part of it
     with running_triton(workdir, fake_llm, extra_env={"TRITON_INFERENCE_KEY_FILE": str(key_file),
-                                                      "TRITON_INFERENCE_KEY": None}) as s:
+                                                      "TRITON_INFERENCE_KEY": None,
+                                                      "OPENAI_FRONT_API_KEY": FRONT_KEY}) as s:
         yield s
 
 
@@ -194,7 +198,8 @@ def chat(server, stream):
                                             + base64.b64encode((REPO / "docs/sample/coffee.png").read_bytes())
                                             .decode()}}]}]}
     request = urllib.request.Request(f"{server.openai_base_url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {FRONT_KEY}"}, method="POST")
     with urllib.request.urlopen(request, timeout=120) as response:
         return response.status, response.read().decode()
 
@@ -263,3 +268,18 @@ def test_the_key_is_in_no_log_refusal_or_metric(server, refusals):
     for where, text in (("log", log), ("refusals", "\n".join(refusals)), ("metrics", server.metrics()),
                         ("front metrics", front_metrics)):
         assert INFERENCE_KEY not in text, f"the inference key is in the {where}"
+
+
+def test_a_server_whose_inference_has_a_key_does_not_start_with_an_open_front(fake_llm, tmp_path):
+    """The key closes 8000/8001; the front on 8003 would answer anyone with it: the start stops
+    and says what to set, unless OPENAI_FRONT_OPEN=1 says the front is open on purpose."""
+    server = TritonServer(tmp_path, {"LLM_BASE_URL": fake_llm.base_url, "LLM_API_KEY": "sk-x",
+                                     "TRITON_INFERENCE_KEY": INFERENCE_KEY, "OPENAI_FRONT_API_KEY": None,
+                                     "OPENAI_FRONT_API_KEY_FILE": None})
+    try:
+        with pytest.raises(NotReady):
+            server.start(timeout_s=180)
+    finally:
+        server.stop()
+    log = server.log()
+    assert "OPENAI_FRONT_API_KEY" in log and "OPENAI_FRONT_OPEN=1" in log and INFERENCE_KEY not in log

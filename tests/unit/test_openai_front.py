@@ -245,6 +245,20 @@ def test_settings_from_the_environment(tmp_path):
     assert missing.api_key is None and "does not exist" in missing.api_key_source
 
 
+def test_the_front_refuses_to_start_open_where_tritons_inference_has_a_key(tmp_path):
+    """The inference key closes 8000/8001; an open front on 8003 would answer anyone with it."""
+    with pytest.raises(settings.ConfigError, match="Set OPENAI_FRONT_API_KEY or OPENAI_FRONT_API_KEY_FILE, or "
+                                                  "OPENAI_FRONT_OPEN=1"):
+        settings.from_environ({"TRITON_INFERENCE_KEY": "inf-key"})
+    absent = str(tmp_path / "absent")  # an optional Secret not created counts as no key
+    with pytest.raises(settings.ConfigError):
+        settings.from_environ({"TRITON_INFERENCE_KEY": "inf-key", "OPENAI_FRONT_API_KEY_FILE": absent})
+    assert settings.from_environ({"TRITON_INFERENCE_KEY": "inf-key", "OPENAI_FRONT_API_KEY": "k"}).api_key == "k"
+    opened = settings.from_environ({"TRITON_INFERENCE_KEY": "inf-key", "OPENAI_FRONT_OPEN": "1"})
+    assert opened.api_key is None and opened.triton_inference_key == "inf-key"
+    assert settings.from_environ({}).api_key is None  # no inference key: open, as before
+
+
 def test_the_question_limit_follows_the_describe_steps_setting_unless_the_front_is_given_its_own():
     """The supervisor runs the front and Triton in one environment: the describe step's
     LLM_MAX_PROMPT_CHARS raised, the front must not refuse what that step would take."""
