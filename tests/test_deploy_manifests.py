@@ -731,6 +731,24 @@ def test_egress_goes_to_dns_the_gateway_and_https_outside_the_cluster_only():
     assert {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"} <= set(https["ipBlock"]["except"])
 
 
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_the_gateway_is_reached_by_our_pods_only_and_shares_no_cache_across_tenants(k8s_version):
+    (policy,) = load_docs(DEPLOY / "llm-gateway/networkpolicy.yaml")
+    kubernetes_validate.validate(policy, k8s_version, strict=True)
+    gateway = by_kind(load_docs(DEPLOY / "llm-gateway/deployment.yaml"), "Deployment")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    (rule,) = policy["spec"]["ingress"]
+    ours = render(DEPLOY / "overlays/cpu")
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "classify-describe"}}}]
+    assert rule["from"][0]["podSelector"]["matchLabels"].items() <= \
+        by_kind(ours, "Deployment")["spec"]["template"]["metadata"]["labels"].items()
+    assert [p["port"] for p in rule["ports"]] == ["http"]
+    assert all(r.get("to") for r in policy["spec"]["egress"]), "a rule without `to` lets it reach anything"
+    (configmap,) = [d for d in load_docs(DEPLOY / "llm-gateway/configmap.yaml") if d]
+    config = yaml.safe_load(configmap["data"]["config.yaml"])
+    assert config["litellm_settings"]["cache"] is False
+
+
 def test_the_pod_has_no_service_account_token_and_a_read_only_root(overlay):
     """It writes only to /tmp and /dev/shm, both volumes of its own."""
     _, docs = overlay
