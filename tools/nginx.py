@@ -80,7 +80,9 @@ class ShedProxy:
     """deploy/nginx/triton-shed.conf.template, rendered for a Triton on
     loopback, nginx as our child on a free port; stopped by its PID."""
 
-    def __init__(self, workdir, triton_http, max_in_flight, refusals_per_s=REFUSALS_PER_S):
+    def __init__(self, workdir, triton_http, max_in_flight, refusals_per_s=REFUSALS_PER_S, per_client=None):
+        """per_client: NGINX_MAX_IN_FLIGHT_PER_CLIENT, by default max_in_flight (load tests send
+        from one address)."""
         self.workdir = pathlib.Path(workdir)
         self.port = free_port()
         self.url = f"127.0.0.1:{self.port}"
@@ -88,7 +90,8 @@ class ShedProxy:
         (self.workdir / "conf.d").mkdir(exist_ok=True)
         (self.workdir / "conf.d/triton-shed.conf").write_text(render(SHED_TEMPLATE.read_text(), {
             "TRITON_HTTP_ADDR": triton_http, "NGINX_LISTEN": f"127.0.0.1:{self.port}",
-            "TRITON_MAX_IN_FLIGHT": max_in_flight, "NGINX_REFUSALS_PER_S": refusals_per_s}))
+            "TRITON_MAX_IN_FLIGHT": max_in_flight, "NGINX_REFUSALS_PER_S": refusals_per_s,
+            "NGINX_MAX_IN_FLIGHT_PER_CLIENT": per_client or max_in_flight}))
         (self.workdir / "nginx.conf").write_text(nginx_conf(self.workdir, f"""\
     log_format shed '$msec $status $request_time $request_length $upstream_status';
     access_log {self.workdir}/nginx-access.log shed;

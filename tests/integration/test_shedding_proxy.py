@@ -25,10 +25,11 @@ def infer_body(photo, prompt):
     return header, header + b"".join(t.raw for t in tensors)
 
 
-def start_infer(url, header, body_length):
-    """An infer request whose headers are sent and whose body is not, yet."""
+def start_infer(url, header, body_length, source="127.0.0.1"):
+    """An infer request whose headers are sent and whose body is not, yet; from `source`
+    (another loopback address is another client to the proxy)."""
     host, port = url.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=HOLD_TIMEOUT_S)
+    connection = http.client.HTTPConnection(host, int(port), timeout=HOLD_TIMEOUT_S, source_address=(source, 0))
     connection.putrequest("POST", f"/v2/models/{ENSEMBLE}/infer")
     connection.putheader("Content-Length", str(body_length))
     connection.putheader("Inference-Header-Content-Length", str(len(header)))
@@ -101,7 +102,7 @@ def test_the_proxy_refuses_compressed_bodies_from_the_headers_alone(proxy, trito
     connection.putrequest("POST", f"/v2/models/{ENSEMBLE}/infer")
     connection.putheader("Content-Encoding", encoding)
     connection.putheader("Content-Type", "application/json")
-    connection.putheader("Content-Length", str(1 << 30))
+    connection.putheader("Content-Length", str(1 << 20))
     connection.endheaders()
     answer = connection.getresponse()
     assert answer.status == 415, answer.status
@@ -109,3 +110,47 @@ def test_the_proxy_refuses_compressed_bodies_from_the_headers_alone(proxy, trito
     assert "Content-Encoding" in json.loads(answer.read())["error"]  # Triton's error format
     connection.close()
     assert http_infer(proxy.url, "classify", [bytes_tensor("IMAGE", [[photos["coffee"]]])]).ok
+
+
+def test_a_body_larger_than_triton_takes_is_refused_from_its_length_alone(proxy, triton, photos):
+    """client_max_body_size: past 21 MiB (preprocess's 20 MiB image and 1 MiB of header) a 413
+    before a byte of the body is read, never buffered to disk."""
+    host, port = proxy.url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=HOLD_TIMEOUT_S)
+    connection.putrequest("POST", f"/v2/models/{ENSEMBLE}/infer")
+    connection.putheader("Content-Length", str(1 << 30))
+    connection.endheaders()
+    assert connection.getresponse().status == 413
+    connection.close()
+    assert http_infer(proxy.url, "classify", [bytes_tensor("IMAGE", [[photos["coffee"]]])]).ok
+
+
+def test_slow_bodies_from_one_client_hold_its_share_of_slots_and_others_are_served(triton, tmp_path, photos):
+    """A client that sends its bodies slowly takes at most NGINX_MAX_IN_FLIGHT_PER_CLIENT of the
+    slots (the proxy counts a request from its headers, before its body): its next ones are
+    refused at once, and another client's request is served beside them."""
+    header, body = infer_body(photos["coffee"], "What is it? (slow bodies)")
+    with ShedProxy(tmp_path, triton.http_url, max_in_flight=8, per_client=3) as proxy:
+        slow = []
+        try:
+            for _ in range(3):
+                slow.append(start_infer(proxy.url, header, len(body)))
+                slow[-1].send(body[:512])  # and then nothing, for now
+            deadline = time.monotonic() + HOLD_TIMEOUT_S
+            while True:  # the three are counted once nginx has their headers
+                extra = start_infer(proxy.url, header, len(body))
+                answer = extra.getresponse()
+                extra.close()
+                if answer.status == 503:
+                    break
+                assert time.monotonic() < deadline, "the proxy never counted the slow bodies"
+            assert answer.getheader("Retry-After") == "1"
+            # Another client (another address) is served while the slow bodies hold their slots.
+            other = start_infer(proxy.url, header, len(body), source="127.0.0.2")
+            other.send(body)
+            served = other.getresponse()
+            assert served.status == 200, served.read()[:300]
+            other.close()
+        finally:
+            for connection in slow:
+                connection.close()

@@ -10,17 +10,28 @@ import pytest
 from tools import nginx
 
 VALUES = {"TRITON_HTTP_ADDR": "127.0.0.1:8000", "NGINX_LISTEN": "8080", "TRITON_MAX_IN_FLIGHT": 128,
-          "NGINX_REFUSALS_PER_S": 1000}
+          "NGINX_REFUSALS_PER_S": 1000, "NGINX_MAX_IN_FLIGHT_PER_CLIENT": 32}
 
 
-def test_the_template_takes_the_four_documented_variables_and_keeps_nginxs_own():
+def test_the_template_takes_the_five_documented_variables_and_keeps_nginxs_own():
     text = nginx.SHED_TEMPLATE.read_text()
     rendered = nginx.render(text, VALUES)
     assert "${" not in rendered
     assert "server 127.0.0.1:8000;" in rendered and "listen 8080 backlog=4096;" in rendered
-    assert "limit_conn triton_in_flight 128;" in rendered
+    assert "limit_conn triton_in_flight 128;" in rendered and "limit_conn triton_per_client 32;" in rendered
+    assert "limit_conn_zone $binary_remote_addr zone=triton_per_client" in rendered
     assert "zone=triton_refusals:1m rate=1000r/s;" in rendered
     assert "limit_conn_zone $server_port" in rendered  # nginx's variable, left for nginx
+
+
+def test_bodies_are_bounded_in_size_and_in_pace_as_the_front_bounds_them():
+    from openai_front import settings
+
+    rendered = nginx.render(nginx.SHED_TEMPLATE.read_text(), VALUES)
+    front = settings.Settings()
+    assert f"client_max_body_size {front.max_image_bytes // 2**20 + 1}m;" in rendered
+    assert f"client_body_timeout {front.body_timeout_s:g}s;" in rendered
+    assert "client_max_body_size 0;" not in rendered
 
 
 def test_a_variable_without_a_value_is_an_error_not_an_empty_string():
