@@ -50,7 +50,7 @@ help:
 	@echo "make run            start tritonserver on model_repository/ (HTTP_PORT=$(HTTP_PORT) GRPC_PORT=$(GRPC_PORT) METRICS_PORT=$(METRICS_PORT))"
 	@echo "                    and the OpenAI-compatible front beside it (OPENAI_PORT=$(OPENAI_PORT))"
 	@echo "                    on 127.0.0.1; LISTEN_ADDRESS=0.0.0.0 exposes it. Load/unload, shared memory, logging"
-	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key"
+	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key-<HTTP_PORT>"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
 	@echo "make test-upstreams every path, keyless, against the fake and llama-cpp-python's server with SmolLM2-135M (its build ~6 min once)"

@@ -24,7 +24,7 @@ export HTTP_PORT="${HTTP_PORT:-8000}" GRPC_PORT="${GRPC_PORT:-8001}" METRICS_POR
 # The demo's one request goes through tritonclient; the OpenAI front (port 8003) stays off.
 export OPENAI_FRONT="${OPENAI_FRONT:-0}"
 export LISTEN_ADDRESS=127.0.0.1  # only this script's client talks to it
-# A key file of its own: a `make run` beside the demo keeps its build/admin-key.
+# A key file of its own: a `make run` beside the demo keeps its build/admin-key-<port>.
 export TRITON_ADMIN_KEY_GENERATED_FILE="${TRITON_ADMIN_KEY_GENERATED_FILE:-$PWD/build/demo-admin-key}"
 
 [[ -r "$image" ]] || { echo "demo: cannot read $image (DEMO_IMAGE)" >&2; exit 1; }

@@ -19,8 +19,9 @@
 #                         control, the repository index, shared memory, logging and
 #                         trace settings need (header `admin-key: <key>`; gRPC:
 #                         `triton-grpc-protocol-admin-key`). Without one a new key is
-#                         generated at every start into build/admin-key (mode 0600;
-#                         TRITON_ADMIN_KEY_GENERATED_FILE moves it). Inference, health,
+#                         generated at every start into build/admin-key-<HTTP_PORT> (mode
+#                         0600; one per instance: a second `make run` on other ports keeps
+#                         the first one's; TRITON_ADMIN_KEY_GENERATED_FILE moves it). Inference, health,
 #                         metadata, config and statistics stay open. The restriction
 #                         itself is always on: serving/supervise_tritonserver.sh.
 #   TRITON_INFERENCE_KEY=... or TRITON_INFERENCE_KEY_FILE=<file>: off by default; with
@@ -87,9 +88,10 @@ args=(
   --exit-timeout-secs=30
   ${TRITON_EXTRA_ARGS:-}
 )
-# The supervisor restricts the control APIs; a key it generates goes here
-# (`curl -H "admin-key: $(cat build/admin-key)" ...`), not to a shared /tmp.
-export TRITON_ADMIN_KEY_GENERATED_FILE="${TRITON_ADMIN_KEY_GENERATED_FILE:-$PWD/build/admin-key}"
+# The supervisor restricts the control APIs; a key it generates goes here, one file per
+# instance by its HTTP port (`curl -H "admin-key: $(cat build/admin-key-8000)" ...`), not to a
+# shared /tmp.
+export TRITON_ADMIN_KEY_GENERATED_FILE="${TRITON_ADMIN_KEY_GENERATED_FILE:-$PWD/build/admin-key-$HTTP_PORT}"
 
 # The admin key and the restricted APIs, the watchdog, the READY line and a
 # clean stop on Ctrl-C/TERM are the supervisor's, shared with the container

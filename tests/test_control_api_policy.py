@@ -352,16 +352,29 @@ def serve(tree, tmp_path, **env):
 def test_make_run_restricts_the_control_apis_and_binds_loopback_by_default(tmp_path, listen_address):
     tree = checkout_with_a_stand_in(tmp_path)
     run = serve(tree, tmp_path, **({"LISTEN_ADDRESS": listen_address} if listen_address else {}))
-    check_generated_key(run, tree / "build/admin-key")
+    check_generated_key(run, tree / f"build/admin-key-{run.env['HTTP_PORT']}")
     for name in ("--http-address", "--grpc-address", "--metrics-address"):
         assert run.flag(name) == (listen_address or "127.0.0.1"), name
+
+
+def test_a_second_make_run_on_other_ports_keeps_the_first_ones_key(tmp_path):
+    """The generated key is per instance (its HTTP port in the file's name): a second server
+    from the same checkout does not overwrite the key the first one requires."""
+    tree = checkout_with_a_stand_in(tmp_path)
+    first = serve(tree, tmp_path)
+    first_key = check_generated_key(first, tree / f"build/admin-key-{first.env['HTTP_PORT']}")
+    (tmp_path / "received.json").unlink()  # what the stand-in recorded of the first
+    second = serve(tree, tmp_path)
+    second_key = check_generated_key(second, tree / f"build/admin-key-{second.env['HTTP_PORT']}")
+    assert first.env["HTTP_PORT"] != second.env["HTTP_PORT"] and first_key != second_key
+    assert (tree / f"build/admin-key-{first.env['HTTP_PORT']}").read_text().strip() == first_key
 
 
 def test_make_run_with_a_key_uses_it(tmp_path):
     tree = checkout_with_a_stand_in(tmp_path)
     run = serve(tree, tmp_path, TRITON_ADMIN_KEY="adm-make-run-0123456789abcdef")
     run.check_key_handling("adm-make-run-0123456789abcdef")
-    assert not (tree / "build/admin-key").exists()
+    assert not list((tree / "build").glob("admin-key*"))
 
 
 def test_the_port_check_binds_the_address_the_server_will(tmp_path):

@@ -131,7 +131,7 @@ class TritonServer:
     Each server gets its own random TRITON_ADMIN_KEY unless env gives one, or
     gives TRITON_ADMIN_KEY=None: then the supervisor generates it into
     TRITON_ADMIN_KEY_GENERATED_FILE (default <workdir>/admin-key, never the
-    build/admin-key of a `make run` on this checkout). `admin_headers` and
+    build/admin-key-<port> of a `make run` on this checkout). `admin_headers` and
     `grpc_admin_headers` carry it for load, unload and the like."""
 
     def __init__(self, workdir, env=None, repository=None, log_path=None, command_prefix=()):

@@ -66,7 +66,7 @@ def classify(url, image, module=httpclient):
 
 
 def test_without_a_key_one_is_generated_into_a_private_file(server, admin_key):
-    key_file = server.workdir / "admin-key"  # TRITON_ADMIN_KEY_GENERATED_FILE (make run: build/admin-key)
+    key_file = server.workdir / "admin-key"  # TRITON_ADMIN_KEY_GENERATED_FILE (make run: build/admin-key-<HTTP_PORT>)
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert len(admin_key) == 64
     log = server.log()
