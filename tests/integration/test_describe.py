@@ -360,14 +360,16 @@ def test_metrics_count_each_request_and_what_it_billed_and_time_it_in_seconds(tr
 @STARTS_ITS_OWN_SERVER
 def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_llm):
     """A second, small server (describe, and the classifier serve.sh insists on)
-    started by the same scripts/serve.sh, without LLM_API_KEY."""
+    started by the same scripts/serve.sh, without LLM_API_KEY, for an endpoint that needs
+    one (LLM_API_KEY_REQUIRED=true, as the hosted APIs are): never called. A local one
+    without a key is called without Authorization (tests/upstreams)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for name in ("describe", "classifier"):
         (repo / name).symlink_to(REPO / "model_repository" / name)
     # None removes a variable: no LLM_* setting of the caller's leaks in.
     env = {name: None for name in os.environ if name.startswith("LLM_")}
-    env.update(LLM_API_KEY=None, LLM_BASE_URL=fake_llm.base_url)
+    env.update(LLM_API_KEY=None, LLM_BASE_URL=fake_llm.base_url, LLM_API_KEY_REQUIRED="true")
     server = TritonServer(tmp_path, env, repository=repo)
     client = None
     try:
@@ -380,7 +382,7 @@ def test_without_a_key_the_server_still_serves_and_says_so_once(tmp_path, fake_l
             assert text.startswith("Most likely a tabby")
         assert stats(fake_llm)["requests"] == before
         log = server.log()
-        assert log.count("no API key found") == 1 and "LLM_API_KEY" in log and "LLM_BASE_URL" in log
+        assert log.count("no API key found") == 1 and "set LLM_API_KEY" in log and fake_llm.base_url in log
     finally:
         if client is not None:
             client.close()  # an open keep-alive connection would hold the shutdown for exit-timeout-secs
