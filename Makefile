@@ -53,7 +53,7 @@ help:
 	@echo "                    and trace need header admin-key: TRITON_ADMIN_KEY(_FILE), else generated into build/admin-key-<HTTP_PORT>"
 	@echo "make demo           start the server, send docs/sample/coffee.png through classify_and_describe, stop it"
 	@echo "make test           build, then unit and integration tests (real server, fake LLM upstream)"
-	@echo "make test-upstreams every path, keyless, against the fake and llama-cpp-python's server with SmolLM2-135M (its build ~6 min once)"
+	@echo "make test-upstreams every path against the fake, LiteLLM and llama-cpp-python's server (SmolLM2-135M, keyless; its build ~6 min once)"
 	@echo "make bench          perf_analyzer benchmarks -> docs/results/bench.json, and from it docs/benchmarks.md + docs/plots (~20 min)"
 	@echo "make bench-quick    the targets in about 5 minutes (build/bench/quick)"
 	@echo "make bentoml-baseline  BentoML $(BENTOML_VERSION) in build/bentoml-venv: the same job served by BentoML, for make bench"
