@@ -64,7 +64,10 @@ def test_a_level_that_did_not_run_every_test_fails_make_tests_run(suite, how, ar
 
 
 def test_the_runner_asks_for_every_level():
-    assert ".venv/bin/python -m pytest tests --every-level" in (REPO / "scripts/run_tests.sh").read_text()
+    """Every level of tests/, and only tests/upstreams left to its own target (make test-upstreams)."""
+    runner = (REPO / "scripts/run_tests.sh").read_text()
+    assert ".venv/bin/python -m pytest tests --ignore=tests/upstreams --every-level" in runner
+    assert "test-upstreams:" in (REPO / "Makefile").read_text() and "pytest -q tests/upstreams" in (REPO / "Makefile").read_text()
 
 
 def test_every_test_has_a_time_limit_and_a_hang_fails_it(suite):

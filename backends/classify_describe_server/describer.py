@@ -29,6 +29,7 @@ from .resilience import (
     AnswerTooLarge,
     Cancelled,
     CircuitBreaker,
+    EmptyStream,
     Failure,
     MalformedResponse,
     UnreadableAnswer,
@@ -483,15 +484,16 @@ class Describer:
         photo_may_be_why = image and self.settings.vision == "auto"
         if _caused_by(exc, AnswerTooLarge):  # raised under the SDK, which wraps it
             failure = ANSWER_TOO_LONG
-        elif _caused_by(exc, MalformedResponse) and photo_may_be_why:
-            # A 200 with no answer to a request with the photo: a server whose template fails on
+        elif _caused_by(exc, EmptyStream) and photo_may_be_why:
+            # A stream with no text to a request with the photo: a server whose template fails on
             # the image part once its stream has begun (llama-cpp-python's) says so no other way.
             failure = Failure(IMAGE_FAILED, retryable=False, upstream_fault=False)
         elif _caused_by(exc, MalformedResponse):  # the same: from _bound_body, under the SDK
             failure = Failure("malformed_response", retryable=True)
         elif isinstance(exc, openai.APIStatusError) and refuses_image(exc.status_code, exc.body, exc.message):
             failure = Failure(IMAGE_REFUSED, retryable=False, upstream_fault=False)
-        elif isinstance(exc, openai.APIStatusError) and photo_may_be_why and image_may_be_why(exc.status_code):
+        elif (isinstance(exc, openai.APIStatusError) and photo_may_be_why
+              and image_may_be_why(exc.status_code, f"{exc.message} {exc.body}")):
             failure = Failure(IMAGE_FAILED, retryable=False, upstream_fault=False)
         elif isinstance(exc, openai.APIStatusError):
             failure = classify_status(exc.status_code, exc.response.headers)

@@ -3,6 +3,7 @@ the clock and the random source are injectable so tests are exact."""
 
 import email.utils
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -35,11 +36,19 @@ def refuses_image(status, body, message):
     return any(word in text for word in _IMAGE_WORDS) and any(phrase in text for phrase in _REFUSAL_PHRASES)
 
 
-def image_may_be_why(status):
-    """Whether an image request answered `status` may succeed without the image: any 4xx but
-    authentication, a wrong path, a timeout, a conflict and rate limits (the same text-only), or
-    a 500 or 501 (a server whose template cannot take the parts); 502-504 are its availability."""
-    return (400 <= status < 500 and status not in (401, 403, 404, 408, 409, 429)) or status in (500, 501)
+# Words an error about the request's content says it in: the parts, a list where a string was
+# wanted (llama.cpp's "can only concatenate str (not "list") to str"), the image.
+_CONTENT_WORDS = re.compile(r"\b(content|parts?|list|str|string|image|image_url|multimodal|vision)\b", re.I)
+
+
+def image_may_be_why(status, message):
+    """Whether an image request answered `status` with `message` may succeed without the image:
+    any 4xx but authentication, a wrong path, a timeout, a conflict and rate limits (the same
+    text-only), or a 500 or 501 (a server whose template cannot take the parts; 502-504 are its
+    availability), whose message speaks of the content. A 500 that says nothing of it is the
+    upstream's own trouble, retried as such, and never turns vision off."""
+    return (((400 <= status < 500 and status not in (401, 403, 404, 408, 409, 429)) or status in (500, 501))
+            and bool(_CONTENT_WORDS.search(message or "")))
 
 
 class Cancelled(Exception):
@@ -48,6 +57,14 @@ class Cancelled(Exception):
 
 class MalformedResponse(Exception):
     """A 200 whose body holds no usable answer: retried like a glitch."""
+
+
+class EmptyStream(MalformedResponse):
+    """A stream that ended without any text: what llama-cpp-python's server streams when its chat
+    template fails on the request's parts after the 200 went out."""
+
+    def __init__(self):
+        super().__init__("the stream ended without text")
 
 
 class UnreadableAnswer(MalformedResponse):

@@ -10,7 +10,7 @@ from openai import AsyncStream
 from openai.types.chat import ChatCompletionChunk
 
 from .accounting import finish_reason_of
-from .resilience import ANSWER_TOO_LONG, Cancelled, MalformedResponse
+from .resilience import ANSWER_TOO_LONG, Cancelled, EmptyStream
 
 
 class StreamedAnswer:
@@ -31,7 +31,7 @@ class StreamedAnswer:
     async def attempt(self, timeout):
         """One streaming attempt, up to its first piece of text within `timeout`:
         (that text, the open stream, the finish_reason so far). Raises like one
-        plain attempt does, and MalformedResponse for a stream that ends without text."""
+        plain attempt does, and EmptyStream (a MalformedResponse) for a stream that ends without text."""
         c = self.call
         end = c.clock() + timeout
         stream = await c.wait(c.client.post(
@@ -43,7 +43,7 @@ class StreamedAnswer:
             while True:
                 chunk = await c.wait(_next(stream), end - c.clock())
                 if chunk is None:
-                    raise MalformedResponse("the stream ended without text")
+                    raise EmptyStream()
                 self._note_usage(chunk)
                 text = _delta_text(chunk)
                 self.read_chars += len(text)

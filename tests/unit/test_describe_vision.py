@@ -112,18 +112,30 @@ def test_auto_recovers_from_an_upstream_that_cannot_take_the_photo_however_it_sa
     run(test, vision="auto", circuit_failure_threshold="1")
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "stream"])
-def test_auto_recovers_from_a_200_with_no_answer_to_the_photo(streamed):
+def test_auto_recovers_from_a_stream_with_no_text_to_the_photo():
     """llama-cpp-python's server streams a 200 and then nothing when its template fails on the
     image part: answered text-only at once, not retried with the photo."""
     async def test(fake, d, obs, log):
         fake.set_mode("no_vision", refusal_status=200, refuse_lists=True)
         chunks = []
-        r = await d.describe(job(), emit=chunks.append if streamed else None)
+        r = await d.describe(job(), emit=chunks.append)
         assert r.source == "llm" and r.usage.attempts == 2 and r.usage.vision_skipped_reason == "refused_by_upstream"
         assert [len(i) for i in fake.stats["images"]] == [1, 0] and obs.attempts[0] == "image_request_failed"
-        assert not streamed or "".join(chunks) == r.description
+        assert "".join(chunks) == r.description
     run(test, vision="auto")
+
+
+@pytest.mark.parametrize("mode", [{"mode": "500", "count": 1}, {"mode": "malformed", "count": 1}], ids=["500", "malformed"])
+def test_an_upstream_glitch_on_an_image_request_is_retried_with_the_photo_and_never_turns_vision_off(mode):
+    """A 500 that says nothing of the content, or an answer that is not one, is the upstream's
+    own trouble: retried as such, with the photo, and no number of them remembers text-only."""
+    async def test(fake, d, obs, log):
+        for i in range(3):
+            fake.set_mode(**mode)
+            r = await d.describe(job(prompt=f"glitch {i}"))
+            assert r.source == "llm" and r.usage.vision is True and r.usage.attempts == 2, r.usage
+        assert "image_request_failed" not in obs.attempts and all(len(i) == 1 for i in fake.stats["images"])
+    run(test, vision="auto", backoff_base_s="0.01")
 
 
 def test_one_photo_the_upstream_cannot_use_does_not_turn_vision_off():
