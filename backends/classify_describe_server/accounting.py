@@ -72,18 +72,17 @@ def billed_tokens(reported, messages, answer_chars):
     complete or cut short: its usage as reported, or, where it sent none that can be read (a
     local server's stream, a stream cut before its usage chunk), an estimate from the prompt's
     text and the answer's (estimated_tokens). The one rule for both paths."""
-    if reported is not None and any(_token_count(getattr(reported, name, None))
-                                    for name in ("prompt_tokens", "completion_tokens")):
-        return (*tokens_from(reported), False)
+    prompt_tokens, completion_tokens = tokens_from(reported)
+    if prompt_tokens or completion_tokens:
+        return prompt_tokens, completion_tokens, False
     return estimated_tokens(message_chars(messages)), estimated_tokens(answer_chars), True
 
 
 def tokens_from(usage):
-    """(prompt, completion) tokens from an SDK usage object; an upstream that
-    omits usage (some local servers) costs nothing rather than failing, and so
-    does a count that is not one (negative, fractional, text, absurd): billed
-    as sent, it would write a negative or unbounded cost into USAGE and the
-    metrics' counters, or fail the answer it came with."""
+    """(prompt, completion) tokens from an SDK usage object, (0, 0) for none; a count
+    that is not one (negative, fractional, text, absurd) is 0: billed as sent, it would
+    write a negative or unbounded cost into USAGE and the metrics' counters, or fail the
+    answer it came with (billed_tokens then estimates)."""
     if usage is None:
         return 0, 0
     return _token_count(getattr(usage, "prompt_tokens", 0)), _token_count(getattr(usage, "completion_tokens", 0))

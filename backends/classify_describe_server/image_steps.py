@@ -22,17 +22,16 @@ def split_parameters(parameters):
     if steps not in STEP_CHOICES:
         found = "is missing" if raw is None else f"is {raw!r}"
         raise ConfigError(f"parameter {STEPS} {found}: it must be one of {', '.join(repr(c) for c in STEP_CHOICES)}")
+    # A single step takes every key: an unknown one fails in its own parser.
+    if steps == "decode":
+        return steps, parameters, {}, None
+    if steps == "classify":
+        return steps, {}, parameters, None
     decode = {key: value for key, value in parameters.items() if key in DECODE_KEYS}
     classifier = {key: value for key, value in parameters.items() if key not in DECODE_KEYS}
-    folder = None
-    if steps == "decode":
-        decode, classifier = parameters, {}  # every key is the decode's: an unknown one fails there
-    elif steps == "classify":
-        decode, classifier = {}, parameters
-    else:
-        folder = classifier.pop(CLASSIFIER_MODEL, "classifier").strip()
-        if not folder or "/" in folder or folder in (".", ".."):
-            raise ConfigError(f"parameter {CLASSIFIER_MODEL} must name a model folder of the repository, got {folder!r}")
+    folder = classifier.pop(CLASSIFIER_MODEL, "classifier").strip()
+    if not folder or "/" in folder or folder in (".", ".."):
+        raise ConfigError(f"parameter {CLASSIFIER_MODEL} must name a model folder of the repository, got {folder!r}")
     return steps, decode, classifier, folder
 
 

@@ -279,8 +279,6 @@ def _parse_bool(text):
 
 
 def _convert(name, kind, text):
-    if name in ("price_input_per_million", "price_output_per_million"):
-        kind = float
     if kind is bool:
         return _parse_bool(text)
     if kind is int:
@@ -290,12 +288,14 @@ def _convert(name, kind, text):
         if not math.isfinite(value):
             raise ValueError("must be finite")
         return value
-    if name == "api_key_required" and text.strip().lower() != "auto":
+    if name == "api_key_required":
+        if text.strip().lower() == "auto":
+            return "auto"
         try:
             return "true" if _parse_bool(text) else "false"
         except ValueError:
             raise ValueError(f"expected auto, true or false, got {text!r}") from None
-    if name in ("vision", "vision_detail", "on_failure", "api_key_required"):
+    if name in ("vision", "vision_detail", "on_failure"):
         return text.strip().lower()
     if name == "allowed_models":
         return tuple(p.strip() for p in text.split(",") if p.strip())
@@ -310,7 +310,8 @@ def _convert(name, kind, text):
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings) if f.name != "from_env"}
-_KINDS = {name: type(f.default) if f.default is not dataclasses.MISSING else dict
+# A field's kind: its default's type, or its annotation where the default says none (None, a factory).
+_KINDS = {name: f.type if f.default is None or f.default is dataclasses.MISSING else type(f.default)
           for name, f in _FIELDS.items()}
 
 

@@ -35,12 +35,15 @@ PIXELS_NAME = "PIXELS"
 LABELS_NAME = "LABELS"
 SCORES_NAME = "SCORES"
 VIEW_NAME = "VIEW"
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.model_name = args["model_name"]
         self.log = Log(self.model_name, pb_utils.Logger)
         model_config = json.loads(args["model_config"])
         self.preprocessor = self.classifier = None
+        self.details = []  # what each step loaded, for the ready line
         try:
             self.steps, decode_parameters, classifier_parameters, folder = split_parameters(model_parameters(model_config))
             if self.steps != "classify":
@@ -54,7 +57,7 @@ class TritonPythonModel:
         self.log.info("ready: " + "; ".join(self.details) + f" (steps {self.steps})")
 
     def _load_decode(self, model_config, settings):
-        self.details = [str(settings)]
+        self.details.append(str(settings))
         if self.steps == "decode":
             output = pb_utils.get_output_config_by_name(model_config, PIXELS_NAME)
             expected = [3, settings.crop_size, settings.crop_size]
@@ -83,8 +86,8 @@ class TritonPythonModel:
         device = f"cuda:{args['model_instance_device_id']}" if args.get("model_instance_kind") == "GPU" else "cpu"
         self.classifier = load(settings, model_dir, version, tensors, device)
         served = settings.model_file if folder is None else f"{model_dir.name}/{version}/{settings.model_file}"
-        self.details = [*getattr(self, "details", []), f"{served}, runtime {settings.runtime}, "
-                        f"top {self.classifier.top_k}, {self.classifier.details}"]
+        self.details.append(f"{served}, runtime {settings.runtime}, top {self.classifier.top_k}, "
+                            f"{self.classifier.details}")
 
     def _tensors(self, model_config):
         labels = pb_utils.get_output_config_by_name(model_config, LABELS_NAME)
